@@ -1,0 +1,523 @@
+"""Test helpers: polling with a deadline, free ports, a real redis-server, Ruby Sidekiq.
+
+Everything here talks to real processes. Nothing is faked: RedisServer runs
+the `redis-server` binary on a loopback port of its own, and SidekiqRuby runs
+Debian's Ruby Sidekiq 6.4.1 (`apt-get install ruby-sidekiq`) against it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+INTEROP_DIR = Path(__file__).resolve().parent / "interop"
+
+REDIS_MISSING = (
+    "redis-server is not on PATH. The tests need a real Redis: "
+    "install it with `apt-get install -y redis-server` (.ci/run does this)."
+)
+
+
+def wait_until(predicate, timeout=10.0, interval=0.01, message=""):
+    """Call predicate() until it returns something truthy; return that value.
+
+    Raises AssertionError naming `message` and the last value seen when
+    `timeout` seconds pass first. An exception from predicate() propagates.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(
+                f"timed out after {timeout:g}s waiting for {message or predicate!r}; "
+                f"last value: {value!r}"
+            )
+        time.sleep(interval)
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent():
+    """preexec_fn: have Linux SIGKILL the child if the test process dies.
+
+    Keeps a hung or killed pytest from leaving redis-server / sidekiq behind.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _tail(path, lines=30):
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as exc:
+        return f"<no log: {exc}>"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _wait_exit(proc, timeout):
+    """Wait for a Popen to exit; return its code, or None if it is still alive."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+class RedisServer:
+    """A private redis-server on 127.0.0.1, with its own directory and AOF.
+
+    `--appendonly yes` makes stop()/kill() followed by start() (or restart())
+    come back with the data, on the same port and directory.
+
+        with RedisServer() as server:
+            server.client().set("k", "v")
+            server.restart()
+            assert server.client().get("k") == b"v"
+    """
+
+    START_TIMEOUT = 10.0
+    STOP_TIMEOUT = 10.0
+
+    def __init__(self, port=None, dir=None, binary=None):
+        self.binary = binary or shutil.which("redis-server")
+        if not self.binary:
+            raise RuntimeError(REDIS_MISSING)
+        self._port_given = port is not None
+        self.port = port or free_port()
+        self._own_dir = dir is None
+        self.dir = Path(dir) if dir else Path(tempfile.mkdtemp(prefix="forkq-redis-"))
+        self.log_path = self.dir / "redis.log"
+        self.proc = None
+        self.paused = False
+        self._started_once = False
+
+    # -- facts ----------------------------------------------------------
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self):
+        return self.proc.pid if self.proc else None
+
+    @property
+    def running(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def client(self, **kwargs):
+        """A new redis.Redis for this server (bytes replies unless told otherwise)."""
+        kwargs.setdefault("decode_responses", False)
+        return redis.Redis(host="127.0.0.1", port=self.port, db=0, **kwargs)
+
+    def log_tail(self, lines=30):
+        return _tail(self.log_path, lines)
+
+    # -- lifecycle ------------------------------------------------------
+
+    def _command(self):
+        return [
+            self.binary,
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--dir", str(self.dir),
+            "--save", "",
+            "--appendonly", "yes",
+            "--daemonize", "no",
+            "--logfile", "",  # log to stdout, which goes to redis.log
+        ]
+
+    def start(self):
+        """Start redis-server and return once it answers PING (10 s deadline)."""
+        if self.running:
+            raise RuntimeError(f"redis-server already running on port {self.port}")
+        # A port picked by free_port() can be taken by someone else before we
+        # bind it; on the very first start only, pick another one and retry.
+        attempts = 1 if (self._port_given or self._started_once) else 3
+        for attempt in range(attempts):
+            try:
+                self._start_once()
+            except _AddressInUse:
+                if attempt == attempts - 1:
+                    raise RuntimeError(
+                        f"redis-server could not bind 127.0.0.1:{self.port}:\n{self.log_tail()}"
+                    ) from None
+                self.port = free_port()
+            else:
+                self._started_once = True
+                return self
+
+    def _start_once(self):
+        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self._command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.dir,
+                start_new_session=True,  # Ctrl-C in a terminal goes to pytest, not redis
+                preexec_fn=_die_with_parent,
+            )
+        self.paused = False
+        # No retries: one probe must not outlive the deadline by itself.
+        client = self.client(socket_timeout=0.5, socket_connect_timeout=0.5,
+                             retry=Retry(NoBackoff(), 0))
+        deadline = time.monotonic() + self.START_TIMEOUT
+        try:
+            while True:
+                try:
+                    if client.ping():
+                        return
+                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+                    pass
+                if self.proc.poll() is not None:
+                    self.proc = None
+                    with open(self.log_path, "rb") as f:
+                        f.seek(log_start)
+                        this_run = f.read().decode(errors="replace")
+                    if "Address already in use" in this_run:
+                        raise _AddressInUse()
+                    raise RuntimeError(f"redis-server exited at start:\n{this_run[-3000:]}")
+                if time.monotonic() >= deadline:
+                    self.kill()
+                    raise RuntimeError(
+                        f"redis-server did not answer PING within {self.START_TIMEOUT:g}s:\n"
+                        f"{self.log_tail()}"
+                    )
+                time.sleep(0.01)
+        finally:
+            client.close()
+
+    def stop(self):
+        """SIGTERM and wait for exit. Redis flushes the AOF first, so data is kept."""
+        if not self.running:
+            self.proc = None
+            return
+        if self.paused:
+            self.resume()  # a stopped process cannot act on SIGTERM
+        os.kill(self.proc.pid, signal.SIGTERM)
+        if _wait_exit(self.proc, self.STOP_TIMEOUT) is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.proc = None
+            raise RuntimeError(
+                f"redis-server ignored SIGTERM for {self.STOP_TIMEOUT:g}s; killed it:\n"
+                f"{self.log_tail()}"
+            )
+        self.proc = None
+
+    def kill(self):
+        """SIGKILL and reap. Whatever reached the AOF survives a later start()."""
+        if self.running:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+        self.paused = False
+
+    def restart(self):
+        """stop() then start() on the same port and directory."""
+        self.stop()
+        return self.start()
+
+    def pause(self):
+        """SIGSTOP: the server keeps its socket but answers nothing until resume()."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self):
+        os.kill(self.proc.pid, signal.SIGCONT)
+        self.paused = False
+
+    def close(self):
+        """Stop the server (killing it if it will not stop) and delete its directory."""
+        try:
+            self.stop()
+        except RuntimeError:
+            pass
+        finally:
+            self.kill()
+            if self._own_dir:
+                shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self):
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "paused" if self.paused else ("running" if self.running else "stopped")
+        return f"<RedisServer {self.url} pid={self.pid} {state} dir={self.dir}>"
+
+
+class _AddressInUse(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------
+# Ruby Sidekiq 6.4.1
+# ---------------------------------------------------------------------------
+
+
+def sidekiq_ruby_problem():
+    """None if Ruby and the sidekiq gem are usable, else why not."""
+    ruby = shutil.which("ruby")
+    if not ruby:
+        return "ruby is not on PATH"
+    try:
+        out = subprocess.run(
+            [ruby, "-e", 'require "sidekiq"; print Sidekiq::VERSION'],
+            capture_output=True, text=True, timeout=60,
+        )
+    except subprocess.TimeoutExpired:
+        return "`ruby -e 'require \"sidekiq\"'` hung for 60 s"
+    if out.returncode != 0:
+        return f"`require \"sidekiq\"` failed: {out.stderr.strip()[-300:]}"
+    return None
+
+
+def find_sidekiq_executable(ruby):
+    """Path of the `sidekiq` server script.
+
+    Debian's ruby-sidekiq puts a RubyGems wrapper at /usr/bin/sidekiq; the real
+    script is the gem's bin/sidekiq (found with Gem.bin_path). Either is run
+    as `ruby PATH ...`.
+    """
+    on_path = shutil.which("sidekiq")
+    if on_path:
+        return on_path
+    out = subprocess.run(
+        [ruby, "-e", 'print Gem.bin_path("sidekiq", "sidekiq")'],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    return out.stdout.strip()
+
+
+class SidekiqRuby:
+    """Paths to the Ruby interop scripts, plus ways to run them.
+
+    push.rb and worker.rb live in tests/interop/. Every call takes the Redis
+    URL explicitly; the scripts read it from REDIS_URL, as Sidekiq does.
+    """
+
+    def __init__(self):
+        self.ruby = shutil.which("ruby")
+        self.interop_dir = INTEROP_DIR
+        self.push_rb = INTEROP_DIR / "push.rb"
+        self.worker_rb = INTEROP_DIR / "worker.rb"
+        self.sidekiq_bin = find_sidekiq_executable(self.ruby)
+
+    def _env(self, url):
+        env = dict(os.environ)
+        env["REDIS_URL"] = url
+        env.pop("REDIS_PROVIDER", None)
+        return env
+
+    def _run_push(self, url, argv, timeout=60):
+        out = subprocess.run(
+            [self.ruby, str(self.push_rb), *argv],
+            env=self._env(url), capture_output=True, text=True, timeout=timeout,
+        )
+        if out.returncode != 0:
+            raise AssertionError(f"push.rb {argv} failed ({out.returncode}):\n{out.stderr}")
+        return out.stdout.split()
+
+    def push(self, url, cls, args, queue="default", at=None):
+        """Sidekiq::Client.push from Ruby; returns the jid."""
+        argv = [cls, queue, json.dumps(args)]
+        if at is not None:
+            argv += ["--at", repr(float(at))]
+        (jid,) = self._run_push(url, argv)
+        return jid
+
+    def push_bulk(self, url, cls, n, queue="default"):
+        """Sidekiq::Client.push_bulk of n jobs with args [0] .. [n-1]; returns the jids."""
+        return self._run_push(url, [cls, queue, "[]", "--bulk", str(n)])
+
+    def server(self, url, queues=("default", "other"), concurrency=2, log_path=None):
+        """A SidekiqServer (not yet started) running worker.rb's job classes."""
+        return SidekiqServer(self, url, queues, concurrency, log_path)
+
+
+class SidekiqServer:
+    """A real `sidekiq` 6.4.1 server process.
+
+    Stopping it: SIGTERM (or SIGINT) makes Sidekiq stop fetching, give running
+    jobs up to `-t` seconds (we pass 5), push unfinished ones back onto their
+    queues, and exit 0. SIGTSTP only quiets it (stops fetching, keeps running).
+    """
+
+    def __init__(self, sidekiq, url, queues, concurrency, log_path=None):
+        self.sidekiq = sidekiq
+        self.url = url
+        self.queues = list(queues)
+        self.concurrency = concurrency
+        self.log_path = Path(log_path) if log_path else Path(
+            tempfile.mkstemp(prefix="sidekiq-", suffix=".log")[1]
+        )
+        self.proc = None
+
+    def command(self):
+        cmd = [
+            self.sidekiq.ruby, str(self.sidekiq.sidekiq_bin),
+            # -r takes a file to `require`: give an absolute path, since a
+            # relative one is searched on $LOAD_PATH, not the cwd.
+            "-r", str(self.sidekiq.worker_rb),
+            "-c", str(self.concurrency),
+            "-t", "5",
+        ]
+        for queue in self.queues:
+            cmd += ["-q", queue]
+        return cmd
+
+    def start(self, ready_timeout=30.0):
+        """Start sidekiq and wait until its heartbeat shows in Redis `processes`."""
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(),
+                env=self.sidekiq._env(self.url),
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT, start_new_session=True, preexec_fn=_die_with_parent,
+            )
+        client = redis.Redis.from_url(self.url)
+        try:
+            def ready():
+                if self.proc.poll() is not None:
+                    raise AssertionError(
+                        f"sidekiq exited with {self.proc.returncode} at start:\n{self.log_tail()}"
+                    )
+                return any(f":{self.proc.pid}:".encode() in m for m in client.smembers("processes"))
+            wait_until(ready, timeout=ready_timeout, interval=0.05,
+                       message=f"sidekiq heartbeat in `processes`; log:\n{self.log_tail()}")
+        finally:
+            client.close()
+        return self
+
+    def stop(self, timeout=20.0):
+        """SIGTERM and wait; returns the exit status (0 on a clean stop)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        os.kill(self.proc.pid, signal.SIGTERM)
+        code = _wait_exit(self.proc, timeout)
+        if code is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise AssertionError(f"sidekiq ignored SIGTERM for {timeout:g}s:\n{self.log_tail()}")
+        return code
+
+    def log_tail(self, lines=40):
+        return _tail(self.log_path, lines)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        try:
+            self.stop()
+        finally:
+            if self.proc and self.proc.poll() is None:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+# ---------------------------------------------------------------------------
+# forkq worker subprocess
+# ---------------------------------------------------------------------------
+
+
+class ForkqWorker:
+    """`python -m forkq start --no-fork ...` as a subprocess; SIGTERM stops it."""
+
+    def __init__(self, url, require, queues=("default",), concurrency=2, extra_args=(),
+                 log_path=None):
+        self.url = url
+        self.require = str(require)
+        self.queues = list(queues)
+        self.concurrency = concurrency
+        self.extra_args = list(extra_args)
+        self.log_path = Path(log_path) if log_path else Path(
+            tempfile.mkstemp(prefix="forkq-", suffix=".log")[1]
+        )
+        self.proc = None
+
+    def command(self):
+        cmd = [sys.executable, "-m", "forkq", "start", "--no-fork",
+               "--require", self.require, "--concurrency", str(self.concurrency)]
+        for queue in self.queues:
+            cmd += ["--queue", queue]
+        return cmd + self.extra_args
+
+    def start(self):
+        env = dict(os.environ)
+        env["FORKQ_REDIS_URL"] = self.url
+        # The repo root first, so `forkq` and `tests.apps...` import from this checkout.
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p
+        )
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(), env=env, cwd=REPO_ROOT,
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=_die_with_parent,
+            )
+        return self
+
+    def assert_alive(self):
+        if self.proc.poll() is not None:
+            raise AssertionError(
+                f"forkq worker exited with {self.proc.returncode}:\n{self.log_tail()}"
+            )
+
+    def stop(self, timeout=30.0):
+        """SIGTERM and wait; returns the exit status."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        os.kill(self.proc.pid, signal.SIGTERM)
+        code = _wait_exit(self.proc, timeout)
+        if code is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise AssertionError(f"forkq worker ignored SIGTERM for {timeout:g}s:\n{self.log_tail()}")
+        return code
+
+    def log_tail(self, lines=40):
+        return _tail(self.log_path, lines)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        try:
+            self.stop()
+        finally:
+            if self.proc and self.proc.poll() is None:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
