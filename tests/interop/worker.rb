@@ -1,0 +1,40 @@
+# Job classes for a real Ruby Sidekiq 6.4.1 server, used by the interop tests.
+#
+# Run (from any directory; -r wants an absolute path or one starting with ./):
+#
+#   REDIS_URL=redis://127.0.0.1:PORT/0 \
+#     ruby /usr/bin/sidekiq -r /abs/path/tests/interop/worker.rb -c 2 -t 5 -q default -q other
+#
+# Debian's ruby-sidekiq installs the `sidekiq` executable at /usr/bin/sidekiq
+# (a RubyGems wrapper around the gem's bin/sidekiq; `Gem.bin_path("sidekiq",
+# "sidekiq")` finds the real one). Sidekiq reads the Redis URL from REDIS_URL.
+#
+# Stopping it cleanly: SIGTERM (or SIGINT). Sidekiq stops fetching, waits up
+# to -t seconds (default 25) for running jobs, pushes unfinished jobs back onto
+# their queues, removes itself from the `processes` set and exits 0.
+# SIGTSTP only quiets it (no new jobs) and it keeps running.
+require "json"
+require "sidekiq"
+
+# Records each run: RPUSH interop:sidekiq_ran {"args": [...], "jid": "..."}
+class InteropJob
+  include Sidekiq::Worker
+
+  def perform(*args)
+    Sidekiq.redis do |conn|
+      conn.rpush("interop:sidekiq_ran", JSON.generate({"args" => args, "jid" => jid}))
+    end
+  end
+end
+
+# Records the attempt on interop:sidekiq_failed, then raises.
+class FailingJob
+  include Sidekiq::Worker
+
+  def perform(*args)
+    Sidekiq.redis do |conn|
+      conn.rpush("interop:sidekiq_failed", JSON.generate({"args" => args, "jid" => jid}))
+    end
+    raise ArgumentError, "FailingJob always fails (args: #{args.inspect})"
+  end
+end
