@@ -1,0 +1,20 @@
+"""forkq: a prefork background-job processor on Redis, in Sidekiq's format.
+
+    import forkq
+
+    @forkq.job(queue="mail", retry=5)
+    def send_welcome(user_id): ...
+
+    send_welcome.enqueue(42)
+"""
+
+from .client import Client, configure, default_client
+from .errors import ConfigError, ForkqError, MalformedPayload, RedisUnavailable, UnknownJob
+from .jobs import Job, job
+from .hooks import on_fork, server_middleware, slot_index
+
+__all__ = [
+    "Client", "ConfigError", "ForkqError", "Job", "MalformedPayload", "RedisUnavailable",
+    "UnknownJob", "configure", "default_client", "job", "on_fork", "server_middleware", "slot_index",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,147 @@
+"""The `forkq` command: argument parsing for `start` (and later `ctl`), nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from . import logs
+from .errors import ConfigError
+from .queues import parse_queue
+from .settings import Settings
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one readable line, exit 2, no usage dump
+        sys.stderr.write(f"forkq: {message} (see forkq {self.prog.split()[-1]} --help)\n")
+        raise SystemExit(2)
+
+
+def _positive_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a whole number, not {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be at least 1, not {value}")
+        return value
+    return parse
+
+
+def _positive_float(name: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, not {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{name} must be above 0, not {text}")
+        return value
+    return parse
+
+
+def _queue(text: str) -> tuple[str, int]:
+    try:
+        return parse_queue(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="forkq", description="A prefork background-job processor on Redis.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    start = sub.add_parser("start", help="run workers in the foreground")
+    start.add_argument("-r", "--require", action="append", default=[], metavar="MODULE_OR_PATH",
+                       help="dotted module or .py file that defines jobs (repeatable)")
+    start.add_argument("-c", "--concurrency", type=_positive_int("--concurrency"), default=10,
+                       help="processor threads per process (default 10)")
+    start.add_argument("-q", "--queue", action="append", type=_queue, default=[], metavar="NAME[,WEIGHT]",
+                       help="queue to work, with optional weight (repeatable; default: default)")
+    start.add_argument("-t", "--timeout", type=_positive_float("--timeout"), default=25.0,
+                       help="seconds running jobs get to finish at stop (default 25)")
+    start.add_argument("-p", "--processes", type=_positive_int("--processes"), default=None,
+                       help="child processes to fork (default: CPU count)")
+    start.add_argument("--no-fork", action="store_true",
+                       help="run one worker in this process, without a supervising master")
+    start.add_argument("--poll-interval", type=_positive_float("--poll-interval"), default=5.0,
+                       help="average seconds between scheduled/retry polls per process (default 5)")
+    start.add_argument("--tag", default="", help="tag shown in the heartbeat and process title")
+    start.add_argument("--log-level", choices=sorted(logs.LEVELS, key=logs.LEVELS.get), default="info")
+    start.add_argument("--log-format", choices=["json", "text"], default=None,
+                       help="default: text on a terminal, JSON otherwise")
+    start.add_argument("--max-memory", type=_positive_float("--max-memory"), default=None, metavar="MB",
+                       help="recycle a child whose RSS exceeds this many MB")
+    start.add_argument("--hang-timeout", type=_positive_float("--hang-timeout"), default=30.0,
+                       help="seconds without a ping before a child is killed as hung (default 30)")
+    start.add_argument("--poison-after", type=_positive_int("--poison-after"), default=3,
+                       help="child deaths a job may cause before it goes to the dead set (default 3)")
+    start.add_argument("--pidfile", default=None, help="write the master's pid here")
+    return parser
+
+
+def load_app(requires: list[str]) -> None:
+    """Import each --require: a .py path (its folder joins sys.path) or a dotted module."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    for item in requires:
+        if item.endswith(".py") or os.sep in item:
+            path = Path(item).resolve()
+            if not path.is_file():
+                raise ConfigError(f"--require {item}: no such file")
+            sys.path.insert(0, str(path.parent))
+            name = path.stem
+            if name in sys.modules:
+                continue
+            spec = importlib.util.spec_from_file_location(name, path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        else:
+            try:
+                importlib.import_module(item)
+            except ModuleNotFoundError as exc:
+                if exc.name and item.startswith(exc.name):
+                    raise ConfigError(f"--require {item}: no module named {exc.name!r} "
+                                      f"(is it on PYTHONPATH? cwd is {os.getcwd()})") from None
+                raise
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    s = Settings(require=args.require, queues=args.queue or [("default", 0)],
+                 concurrency=args.concurrency, timeout=args.timeout, no_fork=args.no_fork,
+                 poll_interval=args.poll_interval, tag=args.tag, log_level=args.log_level,
+                 log_format=args.log_format, max_memory_mb=args.max_memory,
+                 hang_timeout=args.hang_timeout, poison_after=args.poison_after, pidfile=args.pidfile)
+    if args.processes is not None:
+        s.processes = args.processes
+    s.redis_url = os.environ.get("FORKQ_REDIS_URL")
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "start":
+        return start(settings_from(args))
+    return 2
+
+
+def start(settings: Settings) -> int:
+    logs.configure(settings.log_level, settings.log_format)
+    try:
+        load_app(settings.require)
+        from . import client
+        client.connect(settings.redis_url)  # validates the URL before anything forks
+    except (ConfigError, ValueError) as exc:
+        sys.stderr.write(f"forkq: {exc}\n")
+        return 2
+    if settings.no_fork:
+        from .worker import run_standalone
+        return run_standalone(settings)
+    from .supervisor import Supervisor
+    return Supervisor(settings).run()

@@ -1,0 +1,198 @@
+"""Reliable fetch: claim jobs into a private in-flight hash, acknowledge, put back.
+
+A job moves from `queue:NAME` into `forkq:inflight:IDENTITY` inside one Lua call (several
+jobs per call, as many as there are idle threads), runs, and is deleted from the hash in a
+later call that also claims the next batch. When every queue is empty, one waiter thread
+per queue blocks in BLMOVE, moving an arriving job into a private landing list (never into
+memory alone) and waking the fetcher, so idle workers start a new job within a round trip
+instead of polling.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import redis
+
+from . import keys, scripts
+from .queues import QueueOrder
+
+
+class Unit(NamedTuple):
+    token: str
+    queue: str
+    raw: bytes
+
+
+class ReliableFetch:
+    def __init__(self, client: redis.Redis, identity: str, order: QueueOrder,
+                 block_timeout: float = 2.0, master: str | None = None) -> None:
+        self.redis = client
+        self.identity = identity
+        self.order = order
+        self.block_timeout = block_timeout
+        self.master = master
+        self.inflight_key = keys.inflight(identity)
+        self._landing_keys = {q: keys.landing(identity, q) for q in order.names}
+        self._fetch = scripts.load(client, "fetch")
+        self._requeue_tokens = scripts.load(client, "requeue_tokens")
+        self._requeue_all = scripts.load(client, "requeue_all")
+        self._tokens = itertools.count(1)
+        self._next_token = 1
+        self._acks: deque[str] = deque()
+        self._landed: set[str] = set()
+
+    # -- registry -------------------------------------------------------------------
+    def register(self) -> None:
+        """Record this process as an owner of private structures, before any claim."""
+        info = {"queues": self.order.names, "host": socket.gethostname(), "pid": os.getpid(),
+                "master": self.master, "started_at": time.time()}
+        self.redis.hset(keys.OWNERS, self.identity, json.dumps(info))
+
+    # -- claiming -------------------------------------------------------------------
+    def fetch(self, want: int) -> list[Unit]:
+        """Claim up to `want` jobs and send pending acks, in one round trip."""
+        acks = self._take_acks(4000)
+        landed = [q for q in self.order.names if q in self._landed]
+        self._landed.difference_update(landed)
+        order = self.order() if want > 0 else []
+        keys_ = [self.inflight_key] + [self._landing_keys[q] for q in landed]
+        keys_ += [keys.queue(q) for q in order]
+        first = self._next_token
+        self._next_token += max(want, 0)
+        argv: list[Any] = [want, first, len(acks), len(landed), *acks, *landed, *order]
+        try:
+            flat = self._fetch(keys=keys_, args=argv)
+        except Exception:
+            # the acks were not applied: keep them for the next call; a landing list that
+            # was not drained must be drained next time too
+            self._acks.extendleft(reversed(acks))
+            self._landed.update(landed)
+            raise
+        units = [Unit(flat[i].decode(), flat[i + 1].decode(), flat[i + 2])
+                 for i in range(0, len(flat), 3)]
+        if len(units) >= want:
+            # a full batch may have left jobs in a landing list: drain it next time too
+            self._landed.update(landed)
+        return units
+
+    def wait_for(self, queue: str, conn: redis.Redis) -> bool:
+        """Block until a job arrives on `queue` (moving it into our landing list)."""
+        got = conn.blmove(keys.queue(queue), self._landing_keys[queue], self.block_timeout,
+                          "RIGHT", "LEFT")
+        if got is not None:
+            self._landed.add(queue)
+            return True
+        return False
+
+    # -- acknowledging ----------------------------------------------------------------
+    def ack(self, token: str) -> None:
+        """Queue a finished job's delete; it rides along with the next fetch call."""
+        self._acks.append(token)
+
+    def pending_acks(self) -> int:
+        return len(self._acks)
+
+    def _take_acks(self, limit: int) -> list[str]:
+        acks = self._acks
+        out = []
+        while acks and len(out) < limit:
+            out.append(acks.popleft())
+        return out
+
+    def flush_acks(self) -> None:
+        while self._acks:
+            batch = self._take_acks(4000)
+            try:
+                self.redis.hdel(self.inflight_key, *batch)
+            except Exception:
+                self._acks.extendleft(reversed(batch))
+                raise
+
+    # -- putting back ---------------------------------------------------------------
+    def requeue(self, units: list[Unit]) -> int:
+        """Put claimed-but-unstarted jobs back at the head of their queues."""
+        if not units:
+            return 0
+        return self._requeue_tokens(keys=[self.inflight_key], args=[u.token for u in units])
+
+    def requeue_all(self) -> tuple[int, int]:
+        """Return everything this process holds to its queues and unregister it."""
+        self.flush_acks()
+        return requeue_owner(self.redis, self.identity, self.order.names, script=self._requeue_all)
+
+
+def requeue_owner(client: redis.Redis, identity: str, queue_names: list[str], *,
+                  crashed: bool = False, poison_after: int = 3, script: Any = None) -> tuple[int, int]:
+    """Return a (possibly dead) process's private jobs to their queues; (requeued, poisoned)."""
+    script = script or scripts.load(client, "requeue_all")
+    landing = [keys.landing(identity, q) for q in queue_names]
+    requeued, poisoned = script(
+        keys=[keys.inflight(identity), keys.OWNERS, *landing],
+        args=[identity, 1 if crashed else 0, poison_after, time.time(), keys.CRASH_PREFIX, *queue_names])
+    return int(requeued), int(poisoned)
+
+
+def owner_queues(client: redis.Redis, identity: str) -> list[str] | None:
+    """The queues a registered owner fetched from, or None if it is not registered."""
+    raw = client.hget(keys.OWNERS, identity)
+    if raw is None:
+        return None
+    return json.loads(raw)["queues"]
+
+
+class Waiters:
+    """One thread per queue that blocks in Redis while the fetcher has nothing to claim."""
+
+    def __init__(self, fetch: ReliableFetch, connect: Callable[[], redis.Redis],
+                 wake: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
+        self._fetch = fetch
+        self._connect = connect
+        self._wake = wake
+        self._on_error = on_error
+        self._armed = threading.Event()
+        self._stopping = False
+        self._threads = [threading.Thread(target=self._run, args=(q,), name=f"forkq-wait-{q}",
+                                          daemon=True) for q in fetch.order.names]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def arm(self) -> None:
+        self._armed.set()
+
+    def disarm(self) -> None:
+        self._armed.clear()
+
+    def stop(self, timeout: float) -> None:
+        """Stop blocking; returns once no BLMOVE is in flight (or the timeout passed)."""
+        self._stopping = True
+        self._armed.set()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def _run(self, queue: str) -> None:
+        conn = self._connect()
+        while True:
+            self._armed.wait()
+            if self._stopping:
+                return
+            try:
+                if self._fetch.wait_for(queue, conn):
+                    self._armed.clear()
+                    self._wake()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                self._on_error(exc)
+                time.sleep(0.5)
+            if self._stopping:
+                return

@@ -1,0 +1,147 @@
+"""@forkq.job: the registry of runnable jobs and the enqueuers that push them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from typing import Any
+
+from . import payload
+from .client import Client, default_client, epoch
+
+# Only names in this registry ever run: a payload's class is looked up here and never
+# imported, so a job naming os.system (or anything unregistered) cannot run code.
+REGISTRY: dict[str, "Job"] = {}
+
+RetryIn = Callable[[int, BaseException], "float | int | str | None"]
+Exhausted = Callable[[dict, BaseException], None]
+
+
+class Enqueuer:
+    """Pushes one job kind with fixed options; `Job.options(...)` returns one."""
+
+    def __init__(self, job: "Job", client: Client | None = None, **options: Any) -> None:
+        self.job = job
+        self._client = client
+        self.options = options
+
+    @property
+    def client(self) -> Client:
+        return self._client or self.job.client or default_client()
+
+    def _push(self, args_list: list, at: float | datetime | None) -> list[str]:
+        opts = self.options
+        checked = [payload.check_args(a) for a in args_list]
+        now = time.time()
+        jobs = [payload.build(self.job.name, a, now=now, **opts) for a in checked]
+        return self.client.push_jobs(jobs, at=at)
+
+    def enqueue(self, *args: Any) -> str | None:
+        jids = self._push([args], None)
+        return jids[0] if jids else None
+
+    def enqueue_in(self, seconds: float, *args: Any) -> str | None:
+        jids = self._push([args], time.time() + seconds)
+        return jids[0] if jids else None
+
+    def enqueue_at(self, when: float | datetime, *args: Any) -> str | None:
+        jids = self._push([args], epoch(when))
+        return jids[0] if jids else None
+
+    def enqueue_many(self, args_list: Iterable[Iterable[Any]], batch_size: int = 1000) -> list[str]:
+        """Push many jobs, one round trip per batch of `batch_size`; return their jids."""
+        jids: list[str] = []
+        batch: list = []
+        for args in args_list:
+            batch.append(args if type(args) in (list, tuple) else list(args))
+            if len(batch) >= batch_size:
+                jids += self._push(batch, None)
+                batch = []
+        if batch:
+            jids += self._push(batch, None)
+        return jids
+
+
+class Job:
+    """A function registered as a job. Calling it runs it here; `enqueue` runs it later."""
+
+    def __init__(self, fn: Callable[..., Any], name: str, queue: str, retry: bool | int,
+                 backtrace: bool | int, retry_in: RetryIn | None, retries_exhausted: Exhausted | None,
+                 client: Client | None, options: dict[str, Any]) -> None:
+        self.fn = fn
+        self.name = name
+        self.queue = queue
+        self.retry = retry
+        self.backtrace = backtrace
+        self.retry_in_hook = retry_in
+        self.exhausted_hook = retries_exhausted
+        self.client = client
+        self.extra = options
+        self.__doc__ = fn.__doc__
+        self.__wrapped__ = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<forkq.Job {self.name} queue={self.queue}>"
+
+    def options(self, **overrides: Any) -> Enqueuer:
+        """An enqueuer with per-call overrides, e.g. `options(queue="low", retry=3)`."""
+        client = overrides.pop("client", None)
+        opts = self._payload_options()
+        opts.update(overrides)
+        return Enqueuer(self, client, **opts)
+
+    def _payload_options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"queue": self.queue, "retry": self.retry}
+        if self.backtrace:
+            opts["backtrace"] = self.backtrace
+        opts.update(self.extra)
+        return opts
+
+    def enqueue(self, *args: Any) -> str | None:
+        return self.options().enqueue(*args)
+
+    def enqueue_in(self, seconds: float, *args: Any) -> str | None:
+        return self.options().enqueue_in(seconds, *args)
+
+    def enqueue_at(self, when: float | datetime, *args: Any) -> str | None:
+        return self.options().enqueue_at(when, *args)
+
+    def enqueue_many(self, args_list: Iterable[Iterable[Any]], batch_size: int = 1000) -> list[str]:
+        return self.options().enqueue_many(args_list, batch_size)
+
+    def retry_in(self, hook: RetryIn) -> RetryIn:
+        """Decorator form: `@my_job.retry_in` sets the retry-delay hook."""
+        self.retry_in_hook = hook
+        return hook
+
+    def retries_exhausted(self, hook: Exhausted) -> Exhausted:
+        self.exhausted_hook = hook
+        return hook
+
+
+def job(fn: Callable[..., Any] | None = None, *, queue: str = "default", retry: bool | int = True,
+        name: str | None = None, backtrace: bool | int = False, retry_in: RetryIn | None = None,
+        retries_exhausted: Exhausted | None = None, client: Client | None = None,
+        **options: Any) -> Any:
+    """Register a function as a job: bare `@job` or `@job(queue=..., retry=..., name=...)`.
+
+    retry: True means Sidekiq's 25 attempts, False none, an int that many.
+    """
+    if type(retry) is int and retry < 0:
+        raise ValueError(f"retry must be True, False or a count >= 0, not {retry}")
+
+    def register(f: Callable[..., Any]) -> Job:
+        jname = name or f"{f.__module__}.{f.__qualname__}"
+        j = Job(f, jname, queue, retry, backtrace, retry_in, retries_exhausted, client, options)
+        REGISTRY[jname] = j
+        return j
+
+    return register(fn) if fn is not None else register
+
+
+def lookup(name: str) -> Job | None:
+    return REGISTRY.get(name)

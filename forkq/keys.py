@@ -1,0 +1,57 @@
+"""Every Redis key forkq reads or writes, in one place.
+
+The unprefixed names are Sidekiq's (so Sidekiq clients, its Web UI and forkq share
+data); names under ``forkq:`` are forkq's own and never collide with Sidekiq Pro.
+"""
+
+QUEUES = "queues"
+SCHEDULE = "schedule"
+RETRY = "retry"
+DEAD = "dead"
+PROCESSES = "processes"
+PROCESS_CLEANUP = "process_cleanup"
+STAT_PROCESSED = "stat:processed"
+STAT_FAILED = "stat:failed"
+
+# forkq's registry of processes that own private in-flight structures: identity -> JSON
+# {"queues": [...], "host": ..., "pid": ..., "master": ...}. A supervisor or another
+# host finds every private structure through this hash, never through KEYS or SCAN.
+OWNERS = "forkq:owners"
+CRASH_PREFIX = "forkq:crashes:"
+
+DEAD_MAX_JOBS = 10_000
+DEAD_TIMEOUT_S = 180 * 24 * 3600
+HEARTBEAT_TTL_S = 60
+STAT_DAY_TTL_S = 5 * 365 * 24 * 3600
+
+
+def queue(name: str) -> str:
+    return "queue:" + name
+
+
+def workers(identity: str) -> str:
+    """Running-jobs hash as Sidekiq 6.4 names it."""
+    return identity + ":workers"
+
+
+def work(identity: str) -> str:
+    """Running-jobs hash as Sidekiq 6.5+ (and its Web UI) names it."""
+    return identity + ":work"
+
+
+def signals(identity: str) -> str:
+    return identity + "-signals"
+
+
+def inflight(identity: str) -> str:
+    """Hash of this process's fetched, unacknowledged jobs: token -> "QUEUE\\nPAYLOAD"."""
+    return "forkq:inflight:" + identity
+
+
+def landing(identity: str, queue_name: str) -> str:
+    """Private list a blocking wait moves a job into before the fetch script claims it."""
+    return f"forkq:landing:{identity}:{queue_name}"
+
+
+def stat_day(name: str, day: str) -> str:
+    return f"stat:{name}:{day}"

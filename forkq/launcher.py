@@ -1,0 +1,131 @@
+"""The Launcher: heartbeat (Sidekiq-compatible), stats flush and remote signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+import psutil
+import redis
+
+from . import keys, logs
+from .manager import REDIS_ERRORS, Manager
+
+log = logs.get("forkq.launcher")
+REMOTE_SIGNALS = {"TSTP": signal.SIGTSTP, "TERM": signal.SIGTERM, "TTIN": signal.SIGTTIN,
+                  "USR1": signal.SIGTSTP, "INT": signal.SIGINT}
+
+
+def new_identity() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(6).hex()}"
+
+
+class Launcher:
+    def __init__(self, client: redis.Redis, identity: str, manager: Manager, info: dict[str, Any],
+                 on_signal: Callable[[int], None], interval: float = 5.0) -> None:
+        self.redis = client
+        self.identity = identity
+        self.manager = manager
+        self.info = dict(info, identity=identity, hostname=socket.gethostname(), pid=os.getpid(),
+                         started_at=time.time())
+        self.info_json = json.dumps(self.info)
+        self.on_signal = on_signal
+        self.interval = interval
+        self._flushed = (0, 0)
+        self._proc = psutil.Process()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="forkq-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def beat_soon(self) -> None:
+        """Write the next heartbeat now (e.g. to show quiet at once)."""
+        self._stop.set()
+
+    def stop(self) -> None:
+        """Final flush: stats, leave `processes`, drop the running-jobs hash."""
+        self._stopping = True
+        self._stop.set()
+        self._thread.join(5)
+        for attempt in range(20):
+            try:
+                pipe = self.redis.pipeline(transaction=True)
+                self._stats(pipe)
+                pipe.srem(keys.PROCESSES, self.identity)
+                pipe.unlink(keys.workers(self.identity), keys.work(self.identity))
+                pipe.execute()
+                self._flushed = self._pending
+                return
+            except REDIS_ERRORS:
+                time.sleep(0.25)
+        log.error("could not write final stats: Redis unreachable")
+
+    _stopping = False
+    _pending = (0, 0)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.beat()
+            except REDIS_ERRORS:
+                pass  # the fetcher logs the outage; the heartbeat comes back by itself
+            except Exception:
+                log.exception("heartbeat failed")
+            self._stop.wait(self.interval)
+            if self._stopping:
+                return
+            self._stop.clear()
+
+    def _stats(self, pipe: Any) -> None:
+        processed, failed = self.manager.counts()
+        self._pending = (processed, failed)
+        dp, df = processed - self._flushed[0], failed - self._flushed[1]
+        day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+        for name, delta in (("processed", dp), ("failed", df)):
+            if delta:
+                pipe.incrby(f"stat:{name}", delta)
+                pipe.incrby(keys.stat_day(name, day), delta)
+                pipe.expire(keys.stat_day(name, day), keys.STAT_DAY_TTL_S)
+
+    def beat(self) -> None:
+        started = time.perf_counter()
+        self.redis.ping()
+        rtt_us = int((time.perf_counter() - started) * 1_000_000)
+        running = self.manager.running()
+        pipe = self.redis.pipeline(transaction=True)
+        self._stats(pipe)
+        for key in (keys.workers(self.identity), keys.work(self.identity)):
+            pipe.unlink(key)
+            if running:
+                pipe.hset(key, mapping={
+                    str(idx): json.dumps({"queue": q, "payload": raw.decode("utf-8", "replace"),
+                                          "run_at": int(at)})
+                    for idx, (q, raw, at) in running})
+                pipe.expire(key, keys.HEARTBEAT_TTL_S)
+        pipe.sadd(keys.PROCESSES, self.identity)
+        pipe.exists(self.identity)
+        pipe.hset(self.identity, mapping={
+            "info": self.info_json, "busy": len(running), "beat": time.time(), "rtt_us": rtt_us,
+            "quiet": "true" if self.manager.quiet_flag else "false",
+            "rss": self._proc.memory_info().rss // 1024})
+        pipe.expire(self.identity, keys.HEARTBEAT_TTL_S)
+        pipe.rpop(keys.signals(self.identity))
+        result = pipe.execute()
+        self._flushed = self._pending
+        sig = result[-1]
+        if sig:
+            name = sig.decode() if isinstance(sig, bytes) else str(sig)
+            signum = REMOTE_SIGNALS.get(name)
+            if signum is None:
+                log.warning("ignoring unknown remote signal", signal=name)
+            else:
+                log.info("remote signal", signal=name)
+                self.on_signal(signum)

@@ -1,0 +1,193 @@
+"""The processors of one process, and the fetch loop that feeds them.
+
+One fetch thread claims as many jobs as there are idle processors (one Lua round trip
+that also carries the acks of finished jobs), hands them over through an in-process
+queue, and when Redis has nothing, arms the per-queue waiters that block in BLMOVE.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from . import logs
+from .fetch import ReliableFetch, Unit, Waiters
+from .processor import Processor
+from .queues import QueueOrder
+from .retry import Outcomes
+
+log = logs.get("forkq.manager")
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+
+class RedisHealth:
+    """Logs once when Redis goes away and once when it is back, with the downtime."""
+
+    def __init__(self) -> None:
+        self._down_since: float | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def down(self) -> bool:
+        return self._down_since is not None
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                log.error("Redis unreachable; fetching paused, retrying with backoff", error=str(exc))
+
+    def ok(self) -> None:
+        if self._down_since is None:
+            return
+        with self._lock:
+            if self._down_since is not None:
+                log.warning("Redis is back; fetching resumed",
+                            downtime_s=round(time.monotonic() - self._down_since, 2))
+                self._down_since = None
+
+
+class Manager:
+    def __init__(self, connect: Callable[[], redis.Redis], identity: str, order: QueueOrder,
+                 concurrency: int, block_timeout: float = 2.0, master: str | None = None) -> None:
+        self.redis = connect()
+        self.concurrency = concurrency
+        self.fetch = ReliableFetch(self.redis, identity, order, block_timeout, master)
+        self.health = RedisHealth()
+        self.outcomes = Outcomes(self.redis, self.fetch.inflight_key)
+        self.processors = [Processor(self, i, self.outcomes) for i in range(concurrency)]
+        self.waiters = Waiters(self.fetch, connect, self._wake_fetcher, self.health.failed)
+        self.quiet_flag = False
+        self.hard_stopped = False
+        self._handoff: queue.SimpleQueue[Unit | None] = queue.SimpleQueue()
+        self._idle = concurrency
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._fetcher = threading.Thread(target=self._fetch_loop, name="forkq-fetcher", daemon=True)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        self.write(self.fetch.register)
+        for p in self.processors:
+            p.start()
+        self.waiters.start()
+        self._fetcher.start()
+
+    def quiet(self) -> None:
+        """Stop claiming jobs; running ones finish. Claimed-but-unstarted ones go back."""
+        if self.quiet_flag:
+            return
+        self.quiet_flag = True
+        self.waiters.disarm()
+        self._wake.set()
+
+    def stop(self, deadline: float) -> bool:
+        """Quiet, then wait until `deadline` (monotonic) for running jobs; True if all ended."""
+        self.quiet()
+        self._fetcher.join(max(0.0, deadline - time.monotonic()))
+        self.waiters.stop(max(0.0, deadline - time.monotonic()))
+        for p in self.processors:
+            p.thread.join(max(0.0, deadline - time.monotonic()))
+        if any(p.thread.is_alive() for p in self.processors):
+            self.hard_stopped = True
+            return False
+        return True
+
+    def busy(self) -> int:
+        return sum(1 for p in self.processors if p.current is not None)
+
+    def running(self) -> list[tuple[int, tuple[str, bytes, float]]]:
+        return [(p.index, cur) for p in self.processors if (cur := p.current) is not None]
+
+    def counts(self) -> tuple[int, int]:
+        """Executions and failures since start (summed per thread: no lock on the hot path)."""
+        return (sum(p.processed for p in self.processors), sum(p.failed for p in self.processors))
+
+    # -- processor side -------------------------------------------------------------------
+    def take(self) -> Unit | None:
+        return self._handoff.get()
+
+    def done(self, token: str | None) -> None:
+        if token is not None:
+            self.fetch.ack(token)
+        with self._lock:
+            self._idle += 1
+        self._wake.set()
+
+    def write(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a Redis write, riding out an outage with backoff; gives up at a hard stop."""
+        delay = 0.05
+        while True:
+            try:
+                result = fn(*args)
+            except REDIS_ERRORS as exc:
+                if self.hard_stopped:
+                    raise
+                self.health.failed(exc)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            self.health.ok()
+            return result
+
+    # -- fetch loop -----------------------------------------------------------------------
+    def _wake_fetcher(self) -> None:
+        self._wake.set()
+
+    def _fetch_loop(self) -> None:
+        delay = 0.05
+        while not self.quiet_flag:
+            self._wake.clear()
+            want = self._idle
+            if want == 0:
+                self._wake.wait()
+                continue
+            try:
+                units = self.fetch.fetch(want)
+            except REDIS_ERRORS as exc:
+                self.health.failed(exc)
+                self._wake.wait(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            except Exception:
+                log.exception("fetch failed")
+                self._wake.wait(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            delay = 0.05
+            self.health.ok()
+            if units:
+                with self._lock:
+                    self._idle -= len(units)
+                for u in units:
+                    self._handoff.put(u)
+                continue
+            self.waiters.arm()
+            self._wake.wait()
+        self._give_back_unstarted()
+
+    def _give_back_unstarted(self) -> None:
+        unstarted: list[Unit] = []
+        while True:
+            try:
+                u = self._handoff.get_nowait()
+            except queue.Empty:
+                break
+            if u is not None:
+                unstarted.append(u)
+        if unstarted:
+            try:
+                self.write(self.fetch.requeue, unstarted)
+            except Exception:
+                log.exception("could not return unstarted jobs; they stay in flight for the final requeue")
+        try:
+            self.write(self.fetch.flush_acks)
+        except Exception:
+            log.exception("could not flush acks; those jobs may run once more")
+        for _ in self.processors:
+            self._handoff.put(None)

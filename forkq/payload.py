@@ -1,0 +1,121 @@
+"""Sidekiq's job payload: build it, check arguments, parse what a queue holds."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import time
+import zlib
+from random import getrandbits
+from typing import Any
+
+from .errors import MalformedPayload
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+_decode = json.loads
+
+
+def new_jid() -> str:
+    # 12 random bytes as Sidekiq does; `random` is reseeded in forked children by CPython,
+    # and a jid is an identifier, not a secret, so the cheap generator is the right one.
+    return "%024x" % getrandbits(96)
+
+
+def dumps(job: dict[str, Any]) -> str:
+    return _encode(job)
+
+
+def _native(value: Any) -> bool:
+    kind = type(value)
+    if kind in _SCALARS:
+        return kind is not float or math.isfinite(value)
+    if kind is list:
+        return all(_native(v) for v in value)
+    if kind is dict:
+        return all(type(k) is str and _native(v) for k, v in value.items())
+    return False
+
+
+def _first_bad(value: Any, path: str) -> tuple[str, Any]:
+    kind = type(value)
+    if kind is list:
+        for i, v in enumerate(value):
+            if not _native(v):
+                return _first_bad(v, f"{path}[{i}]")
+    elif kind is dict:
+        for k, v in value.items():
+            if type(k) is not str:
+                return f"{path} key {k!r}", k
+            if not _native(v):
+                return _first_bad(v, f"{path}[{k!r}]")
+    return path, value
+
+
+def check_args(args: Any) -> list:
+    """Return args as a list, or raise TypeError naming the first value JSON can't carry."""
+    if type(args) is tuple:
+        args = list(args)
+    if type(args) is not list:
+        raise TypeError(f"job args must be a list or tuple, not {type(args).__name__}")
+    for i, v in enumerate(args):
+        if not _native(v):
+            where, bad = _first_bad(v, f"args[{i}]")
+            raise TypeError(
+                f"job argument {where} is {bad!r} ({type(bad).__name__}); forkq accepts only "
+                "JSON-native values: None, bool, int, float (finite), str, list, dict with str keys"
+            )
+    return args
+
+
+def build(name: str, args: list, queue: str = "default", retry: bool | int = True,
+          now: float | None = None, **extra: Any) -> dict[str, Any]:
+    """A new job, fields in Sidekiq's order; extra options (backtrace, retry_queue...) kept."""
+    now = time.time() if now is None else now
+    job: dict[str, Any] = {"class": name, "args": args, "jid": new_jid(), "queue": queue,
+                           "retry": retry, "created_at": now}
+    if extra:
+        job.update(extra)
+    return job
+
+
+def parse(raw: bytes | str) -> dict[str, Any]:
+    """Decode one queue entry; raise MalformedPayload with the reason it can't run."""
+    try:
+        job = _decode(raw)
+    except UnicodeDecodeError:
+        raise MalformedPayload("payload is not valid UTF-8") from None
+    except ValueError as exc:
+        raise MalformedPayload(f"payload is not JSON: {exc}") from None
+    if type(job) is not dict:
+        raise MalformedPayload(f"payload is JSON {type(job).__name__}, not an object")
+    name = job.get("class")
+    if type(name) is not str or not name:
+        raise MalformedPayload("payload has no 'class' string")
+    if type(job.get("args")) is not list:
+        raise MalformedPayload("payload 'args' is missing or not a list")
+    return job
+
+
+def display_name(job: dict[str, Any]) -> str:
+    """The name to log: ActiveJob wraps the real class in 'wrapped'."""
+    wrapped = job.get("wrapped")
+    return wrapped if type(wrapped) is str else job["class"]
+
+
+def seconds(stamp: Any) -> float | None:
+    """Sidekiq 6/7 stamp floats in seconds, Sidekiq 8 integers in milliseconds."""
+    if type(stamp) is float:
+        return stamp
+    if type(stamp) is int:
+        return stamp / 1000.0
+    return None
+
+
+def encode_backtrace(lines: list[str]) -> str:
+    return base64.b64encode(zlib.compress(_encode(lines).encode())).decode()
+
+
+def decode_backtrace(blob: str) -> list[str]:
+    return _decode(zlib.decompress(base64.b64decode(blob)))

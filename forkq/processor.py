@@ -1,0 +1,106 @@
+"""One worker thread: take a claimed job, run it through server middleware, record the outcome."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from . import hooks, logs, payload
+from .errors import MalformedPayload, UnknownJob
+from .fetch import Unit
+from .jobs import lookup
+from .retry import Outcomes, dead_entry_for_malformed
+
+if TYPE_CHECKING:
+    from .manager import Manager
+
+log = logs.get("forkq.processor")
+
+
+class Processor:
+    def __init__(self, manager: "Manager", index: int, outcomes: Outcomes) -> None:
+        self.manager = manager
+        self.index = index
+        self.outcomes = outcomes
+        self.processed = 0
+        self.failed = 0
+        # (queue, raw payload, started epoch s) while a job runs: read by the heartbeat
+        self.current: tuple[str, bytes, float] | None = None
+        self.thread = threading.Thread(target=self.run, name=f"forkq-processor-{index}", daemon=True)
+        self._log_jobs = logs.enabled("info")
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def run(self) -> None:
+        take = self.manager.take
+        while True:
+            unit = take()
+            if unit is None:
+                return
+            self.manager.done(unit.token if self.process(unit) else None)
+
+    def process(self, unit: Unit) -> bool:
+        """Run one job; True if its in-flight entry still needs the batched ack."""
+        try:
+            job = payload.parse(unit.raw)
+        except MalformedPayload as exc:
+            return self._malformed(unit, str(exc))
+        name = job["class"]
+        jobdef = lookup(name)
+        self.current = (unit.queue, unit.raw, time.time())
+        self.processed += 1
+        started = time.perf_counter()
+        if self._log_jobs:
+            log.info("start", jid=job.get("jid"), **{"class": payload.display_name(job)}, queue=unit.queue)
+        try:
+            if jobdef is None:
+                raise UnknownJob(f"no job named {name!r} is registered in this worker "
+                                 "(is its module in --require, or is a deploy rolling out?)")
+            self._run(jobdef.fn, job, unit.queue)
+        except BaseException as exc:
+            self.current = None
+            if self.manager.hard_stopped or isinstance(exc, (SystemExit, KeyboardInterrupt)):
+                # cut off by a hard stop: the job goes back to its queue, not to retry
+                raise
+            self.failed += 1
+            elapsed = (time.perf_counter() - started) * 1000
+            try:
+                fate = self.manager.write(self.outcomes.failed, job, exc, unit.token, jobdef)
+            except Exception:
+                log.exception("could not record a failure; the job stays in flight and will run again",
+                              jid=job.get("jid"))
+                return False
+            log.warning("fail", jid=job.get("jid"), **{"class": payload.display_name(job)},
+                        queue=unit.queue, elapsed_ms=round(elapsed, 2), fate=fate,
+                        error=f"{type(exc).__name__}: {exc}")
+            return False  # the outcome write already released the in-flight entry
+        self.current = None
+        if self._log_jobs:
+            log.info("done", jid=job.get("jid"), **{"class": payload.display_name(job)}, queue=unit.queue,
+                     elapsed_ms=round((time.perf_counter() - started) * 1000, 2))
+        return True
+
+    def _run(self, fn: Callable[..., Any], job: dict[str, Any], queue: str) -> Any:
+        chain = hooks.SERVER_MIDDLEWARE
+        if not chain:
+            return fn(*job["args"])
+
+        def call(i: int) -> Any:
+            if i == len(chain):
+                return fn(*job["args"])
+            return chain[i](job, queue, lambda: call(i + 1))
+        return call(0)
+
+    def _malformed(self, unit: Unit, reason: str) -> bool:
+        entry = dead_entry_for_malformed(unit.raw, unit.queue, reason, time.time())
+        try:
+            self.manager.write(self.outcomes.to_dead, entry, unit.token)
+        except Exception:
+            log.exception("could not move a malformed payload to the dead set; it stays in flight")
+            return False
+        log.error("malformed payload moved to the dead set", queue=unit.queue, reason=reason,
+                  dead_jid=entry["jid"])
+        return False

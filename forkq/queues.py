@@ -1,0 +1,59 @@
+"""Which queue to try first: Sidekiq's strict, weighted and random orders."""
+
+from __future__ import annotations
+
+import random
+
+from .errors import ConfigError
+
+
+def parse_queue(spec: str) -> tuple[str, int]:
+    """'name' or 'name,weight' as `--queue` takes it."""
+    name, _, weight = spec.partition(",")
+    name = name.strip()
+    if not name or "\n" in name:
+        raise ConfigError(f"--queue {spec!r}: a queue needs a name, e.g. --queue critical,3")
+    if not weight:
+        return name, 0
+    try:
+        w = int(weight)
+    except ValueError:
+        w = -1
+    if w < 1:
+        raise ConfigError(f"--queue {spec!r}: the weight must be a whole number >= 1")
+    return name, w
+
+
+class QueueOrder:
+    """Gives the queue names in the order one fetch should try them.
+
+    No weights: strict order as given. Every weight 1: a fresh random order each fetch.
+    Otherwise weighted random: a queue of weight 3 leads three times as often as weight 1.
+    """
+
+    def __init__(self, specs: list[tuple[str, int]]) -> None:
+        names: list[str] = []
+        for name, _ in specs:
+            if name not in names:
+                names.append(name)
+        self.names = names
+        weights = [w for _, w in specs]
+        self.weights = {name: max(w, 1) for name, w in specs}
+        if not any(weights):
+            self.mode = "strict"
+        elif all(w == 1 for w in weights):
+            self.mode = "random"
+        else:
+            self.mode = "weighted"
+        self._pool = [name for name, w in specs for _ in range(max(w, 1))]
+
+    def __call__(self) -> list[str]:
+        if self.mode == "strict" or len(self.names) == 1:
+            return self.names
+        if self.mode == "random":
+            order = self.names[:]
+            random.shuffle(order)
+            return order
+        pool = self._pool[:]
+        random.shuffle(pool)
+        return list(dict.fromkeys(pool))

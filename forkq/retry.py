@@ -1,0 +1,144 @@
+"""What happens after a job raises: Sidekiq's backoff, the retry set and the dead set."""
+
+from __future__ import annotations
+
+import random
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from . import keys, payload, scripts
+
+if TYPE_CHECKING:
+    from .jobs import Job
+
+DEFAULT_MAX_RETRIES = 25
+MESSAGE_LIMIT = 10_000
+
+
+def backoff(count: int) -> float:
+    """Sidekiq's delay before retry number `count` (0-based): count**4 + 15 + jitter."""
+    return count ** 4 + 15 + random.randrange(10) * (count + 1)
+
+
+def max_retries(job: dict[str, Any]) -> int:
+    retry = job.get("retry", True)
+    if retry is True:
+        return DEFAULT_MAX_RETRIES
+    if retry is False or retry is None:
+        return 0
+    if type(retry) is int:
+        return max(retry, 0)
+    return DEFAULT_MAX_RETRIES
+
+
+def error_class(exc: BaseException) -> str:
+    kind = type(exc)
+    if kind.__module__ == "builtins":
+        return kind.__qualname__
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def record_failure(job: dict[str, Any], exc: BaseException, now: float) -> None:
+    """Stamp the error fields as Sidekiq does; unknown fields stay untouched."""
+    job["error_message"] = str(exc)[:MESSAGE_LIMIT]
+    job["error_class"] = error_class(exc)
+    count = job.get("retry_count")
+    if type(count) is int and count >= 0:
+        job["retry_count"] = count + 1
+        job["retried_at"] = now
+    else:
+        job["retry_count"] = 0
+        job["failed_at"] = now
+    keep = job.get("backtrace")
+    if keep:
+        lines = traceback.format_exception(exc)
+        lines = [ln.rstrip("\n") for chunk in lines for ln in chunk.splitlines()]
+        if type(keep) is int and keep is not True:
+            lines = lines[:keep]
+        job["error_backtrace"] = payload.encode_backtrace(lines)
+
+
+def dead_entry_for_malformed(raw: bytes, queue: str, reason: str, now: float) -> dict[str, Any]:
+    """A dead-set entry for something that was never a runnable job, keeping its bytes."""
+    entry: dict[str, Any] = {"class": "forkq.MalformedJob", "args": [], "jid": payload.new_jid(),
+                             "queue": queue, "retry": False, "error_class": "forkq.MalformedPayload",
+                             "error_message": reason, "failed_at": now}
+    try:
+        entry["forkq_original"] = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        import base64
+        entry["forkq_original_base64"] = base64.b64encode(raw).decode()
+    return entry
+
+
+class Outcomes:
+    """Writes a job's fate to Redis and releases its in-flight entry in the same call."""
+
+    def __init__(self, client: redis.Redis, inflight_key: str) -> None:
+        self.redis = client
+        self.inflight_key = inflight_key
+        self._to_dead = scripts.load(client, "to_dead")
+
+    def to_dead(self, job: dict[str, Any], token: str | bytes | None, now: float | None = None,
+                source: str | None = None, kind: str = "hash") -> None:
+        now = time.time() if now is None else now
+        self._to_dead(keys=[keys.DEAD, source or self.inflight_key],
+                      args=[payload.dumps(job), now, token or "", kind,
+                            now - keys.DEAD_TIMEOUT_S, keys.DEAD_MAX_JOBS])
+
+    def to_retry(self, job: dict[str, Any], token: str, at: float) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.zadd(keys.RETRY, {payload.dumps(job): at})
+        pipe.hdel(self.inflight_key, token)
+        pipe.execute()
+
+    def drop(self, token: str) -> None:
+        self.redis.hdel(self.inflight_key, token)
+
+    def failed(self, job: dict[str, Any], exc: BaseException, token: str,
+               jobdef: "Job | None") -> str:
+        """Route a failed job; returns what was done: retry, dead, discarded or dropped."""
+        now = time.time()
+        limit = max_retries(job)
+        if job.get("retry") is False:
+            self.drop(token)
+            return "dropped"
+        record_failure(job, exc, now)
+        count = job["retry_count"]
+        if count < limit:
+            decision = self._decide(jobdef, count, exc)
+            if decision == "discard":
+                self.drop(token)
+                return "discarded"
+            if decision != "kill":
+                if type(job.get("retry_queue")) is str:
+                    job["queue"] = job["retry_queue"]
+                self.to_retry(job, token, now + decision)
+                return "retry"
+        elif jobdef is not None and jobdef.exhausted_hook is not None:
+            try:
+                jobdef.exhausted_hook(job, exc)
+            except Exception:  # a broken hook must not lose the job: it still goes dead
+                pass
+        if job.get("dead") is False:
+            self.drop(token)
+            return "dropped"
+        self.to_dead(job, token, now)
+        return "dead"
+
+    @staticmethod
+    def _decide(jobdef: "Job | None", count: int, exc: BaseException) -> float | str:
+        hook = jobdef.retry_in_hook if jobdef is not None else None
+        if hook is not None:
+            try:
+                answer = hook(count, exc)
+            except Exception:
+                answer = None
+            if answer in ("discard", "kill"):
+                return answer
+            if isinstance(answer, (int, float)) and not isinstance(answer, bool) and answer >= 0:
+                return float(answer)
+        return backoff(count)

@@ -1,0 +1,97 @@
+"""The poller that moves due jobs from `schedule` and `retry` onto their queues."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any
+
+import redis
+
+from . import keys, logs, payload, scripts
+from .retry import Outcomes, dead_entry_for_malformed
+
+log = logs.get("forkq.scheduler")
+BATCH = 100
+
+
+class Scheduler:
+    """Polls at Sidekiq's spread-out interval (average × live processes, randomised), but
+    never sleeps past the earliest due job, so scheduled jobs start close to their time."""
+
+    def __init__(self, client: redis.Redis, outcomes: Outcomes, average_interval: float = 5.0,
+                 first_wait: float | None = None) -> None:
+        self.redis = client
+        self.outcomes = outcomes
+        self.average = average_interval
+        self.first_wait = first_wait
+        self._move = scripts.load(client, "move_due")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="forkq-scheduler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        first = self.first_wait if self.first_wait is not None else min(self.average, 1.0) * random.random()
+        if self._stop.wait(first):
+            return
+        while not self._stop.is_set():
+            try:
+                self.poll()
+                wait = self._next_wait()
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+                wait = self.average  # the fetcher reports the outage; just try later
+            except Exception:
+                log.exception("scheduled-set poll failed")
+                wait = self.average
+            self._stop.wait(wait)
+
+    def poll(self, now: float | None = None) -> int:
+        """Move every due job in both sets; returns how many moved."""
+        moved = 0
+        for key in (keys.SCHEDULE, keys.RETRY):
+            while True:
+                t = time.time() if now is None else now
+                due = self.redis.zrange(key, "-inf", t, byscore=True, offset=0, num=BATCH)
+                if not due:
+                    break
+                moved += self._move_batch(key, due, t)
+                if len(due) < BATCH:
+                    break
+        return moved
+
+    def _move_batch(self, key: str, members: list[bytes], now: float) -> int:
+        argv: list[Any] = []
+        for member in members:
+            try:
+                job = payload.parse(member)
+                queue = job.get("queue", "default")
+                if type(queue) is not str or not queue or "\n" in queue:
+                    raise ValueError(f"payload 'queue' is {queue!r}, not a queue name")
+            except ValueError as exc:
+                entry = dead_entry_for_malformed(member, "", f"in {key}: {exc}", now)
+                self.outcomes.to_dead(entry, member, now, source=key, kind="zset")
+                log.error("malformed entry moved to the dead set", source=key, reason=str(exc))
+                continue
+            job["enqueued_at"] = now
+            argv += [member, queue, payload.dumps(job)]
+        return int(self._move(keys=[key], args=argv)) if argv else 0
+
+    def _next_wait(self) -> float:
+        live = max(1, self.redis.scard(keys.PROCESSES))
+        average = self.average * live
+        wait = average * (random.uniform(0.5, 1.5) if live < 10 else random.random())
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrange(keys.SCHEDULE, 0, 0, withscores=True)
+        pipe.zrange(keys.RETRY, 0, 0, withscores=True)
+        now = time.time()
+        for first in pipe.execute():
+            if first:
+                wait = min(wait, max(0.0, first[0][1] - now) + random.uniform(0.0, 0.05))
+        return max(wait, 0.01)

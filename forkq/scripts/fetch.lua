@@ -1,0 +1,41 @@
+-- Claim up to ARGV[1] jobs for one process, and acknowledge finished ones, in one call.
+-- A claimed job moves from its queue (or the process's landing list) into the process's
+-- private in-flight hash within this script, so it never exists only in a client's memory.
+--
+-- KEYS[1]            the in-flight hash (token -> "QUEUE\nPAYLOAD")
+-- KEYS[2..]          nland landing lists, then the queue lists in the order to try
+-- ARGV[1]            most jobs to claim
+-- ARGV[2]            first token number (the caller advances it by ARGV[1] each call)
+-- ARGV[3], ARGV[4]   nacks, nland
+-- ARGV[5..]          nacks tokens to delete, then the queue name of each KEYS[2..]
+local hash = KEYS[1]
+local want = tonumber(ARGV[1])
+local token = tonumber(ARGV[2])
+local nacks = tonumber(ARGV[3])
+local nland = tonumber(ARGV[4])
+if nacks > 0 then
+  redis.call('HDEL', hash, unpack(ARGV, 5, 4 + nacks))
+end
+local names = 4 + nacks
+local out, fields = {}, {}
+local n = 0
+for i = 2, #KEYS do
+  if n >= want then break end
+  local got = redis.call('RPOP', KEYS[i], want - n)
+  if got then
+    local name = ARGV[names + i - 1]
+    for _, job in ipairs(got) do
+      local t = tostring(token + n)
+      n = n + 1
+      fields[#fields + 1] = t
+      fields[#fields + 1] = name .. "\n" .. job
+      out[#out + 1] = t
+      out[#out + 1] = name
+      out[#out + 1] = job
+    end
+  end
+end
+if n > 0 then
+  redis.call('HSET', hash, unpack(fields))
+end
+return out

@@ -1,0 +1,169 @@
+"""One worker process: the Launcher, Manager and Processors, driven from its main thread.
+
+The main thread only waits for commands and acts on them. Commands are signal numbers,
+one byte each, arriving on one of: the self-pipe that this process's own signal handlers
+write to (`forkq start --no-fork`), the pipe from the master (a forked child), or the
+heartbeat relaying a `-signals` entry from Redis. In a child, EOF on the master's pipe
+means the master is gone: the child stops gracefully on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import redis
+
+from . import __version__, client, logs
+from .fetch import requeue_owner
+from .launcher import Launcher, new_identity
+from .manager import REDIS_ERRORS, Manager
+from .queues import QueueOrder
+from .scheduler import Scheduler
+from .settings import Settings
+
+log = logs.get("forkq.worker")
+TRAPPED = (signal.SIGINT, signal.SIGTERM, signal.SIGTSTP, signal.SIGTTIN)
+STOP = (signal.SIGINT, signal.SIGTERM)
+
+
+class Worker:
+    def __init__(self, settings: Settings, *, slot: int | None = None, master: str | None = None,
+                 control_fd: int | None = None, report_fd: int | None = None) -> None:
+        self.settings = settings
+        self.slot = slot
+        self.master = master
+        self.identity = new_identity()
+        self.control_fd = control_fd
+        self.report_fd = report_fd
+        self._cmd_r, self._cmd_w = os.pipe()
+        os.set_blocking(self._cmd_w, False)
+        self.stopping = False
+
+    def connect(self) -> redis.Redis:
+        # socket_timeout bounds a command when Redis stops answering (paused, cut); a
+        # blocking wait gets its own margin on top of its block timeout
+        return client.connect(self.settings.redis_url,
+                              socket_timeout=self.settings.block_timeout + 5,
+                              socket_keepalive=True)
+
+    def command(self, signum: int) -> None:
+        """Ask the main thread to act on `signum` (thread-safe, async-signal-safe)."""
+        try:
+            os.write(self._cmd_w, bytes([signum]))
+        except BlockingIOError:
+            pass
+
+    def run(self) -> int:
+        s = self.settings
+        conn = self.connect()
+        self.manager = Manager(self.connect, self.identity, QueueOrder(s.queues), s.concurrency,
+                               s.block_timeout, self.master)
+        info = {"tag": s.tag, "concurrency": s.concurrency, "queues": self.manager.fetch.order.names,
+                "weights": [{n: w for n, w in s.queues}], "labels": s.labels, "version": __version__,
+                "embedded": False, "forkq": True, "master": self.master, "slot": self.slot}
+        self.launcher = Launcher(conn, self.identity, self.manager, info, self.command,
+                                 s.heartbeat_interval)
+        self.scheduler = Scheduler(conn, self.manager.outcomes, s.poll_interval)
+        self.manager.start()
+        self.launcher.start()
+        self.scheduler.start()
+        log.info("worker started", identity=self.identity, concurrency=s.concurrency,
+                 queues=self.manager.fetch.order.names, mode=self.manager.fetch.order.mode)
+        self._loop()
+        return self._stop()
+
+    def _loop(self) -> None:
+        fds = [self._cmd_r] + ([self.control_fd] if self.control_fd is not None else [])
+        last_report = 0.0
+        while not self.stopping:
+            ready, _, _ = select.select(fds, [], [], 1.0)
+            for fd in ready:
+                data = os.read(fd, 64)
+                if not data and fd == self.control_fd:
+                    log.warning("master is gone; stopping")
+                    fds.remove(fd)
+                    self.control_fd = None
+                    self.stopping = True
+                for signum in data:
+                    self._handle(signum)
+            now = time.monotonic()
+            if self.report_fd is not None and now - last_report >= 1.0:
+                last_report = now
+                self._report()
+
+    def _report(self) -> None:
+        """Tell the master we are alive (a hung process can't) and how busy we are."""
+        try:
+            os.write(self.report_fd, b"B%d\n" % self.manager.busy())
+        except (BlockingIOError, BrokenPipeError):
+            pass
+
+    def _handle(self, signum: int) -> None:
+        if signum in STOP:
+            log.info("stopping", signal=signal.Signals(signum).name)
+            self.stopping = True
+        elif signum == signal.SIGTSTP:
+            log.info("quiet: no new jobs will start")
+            self.manager.quiet()
+            self.launcher.beat_soon()
+        elif signum == signal.SIGTTIN:
+            dump_threads()
+
+    def _stop(self) -> int:
+        deadline = time.monotonic() + self.settings.timeout
+        self.launcher.info["quiet"] = True
+        self.manager.quiet()
+        self.scheduler.stop()
+        if not self.manager.stop(deadline):
+            log.warning("jobs still running at the timeout; putting them back on their queues",
+                        busy=self.manager.busy())
+        requeued = self._requeue_all()
+        self.launcher.stop()
+        log.info("worker stopped", requeued=requeued)
+        if self.manager.hard_stopped:
+            # threads still inside job code must not outlive the stop or write outcomes
+            sys.stdout.flush()
+            os._exit(0)
+        return 0
+
+    def _requeue_all(self) -> int:
+        for attempt in range(40):
+            try:
+                self.manager.fetch.flush_acks()
+                requeued, _ = requeue_owner(self.manager.redis, self.identity,
+                                            self.manager.fetch.order.names)
+                return requeued
+            except REDIS_ERRORS:
+                time.sleep(0.25)
+        log.error("Redis unreachable at stop: in-flight jobs stay in this process's private "
+                  "structures until the supervisor or orphan recovery puts them back")
+        return 0
+
+
+def dump_threads() -> None:
+    frames = sys._current_frames()
+    for thread in threading.enumerate():
+        frame = frames.get(thread.ident or -1)
+        stack = "".join(traceback.format_stack(frame)) if frame else "<no frame>"
+        log.warning("thread dump", thread=thread.name, stack=stack)
+
+
+def run_standalone(settings: Settings) -> int:
+    """`forkq start --no-fork`: one worker in this process, driven by its own signals."""
+    worker = Worker(settings)
+    os.set_blocking(worker._cmd_w, False)
+    signal.set_wakeup_fd(worker._cmd_w)
+    for sig in TRAPPED:
+        signal.signal(sig, _ignore)
+    return worker.run()
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    """The wakeup fd carries the signal to the main loop; nothing happens in the handler."""
