@@ -19,6 +19,7 @@ import traceback
 from typing import Any
 
 import redis
+import setproctitle
 
 from . import __version__, client, logs
 from .fetch import requeue_owner
@@ -35,11 +36,13 @@ STOP = (signal.SIGINT, signal.SIGTERM)
 
 class Worker:
     def __init__(self, settings: Settings, *, slot: int | None = None, master: str | None = None,
-                 control_fd: int | None = None, report_fd: int | None = None) -> None:
+                 control_fd: int | None = None, report_fd: int | None = None,
+                 identity: str | None = None, title: str | None = None) -> None:
         self.settings = settings
         self.slot = slot
         self.master = master
-        self.identity = new_identity()
+        self.identity = identity or new_identity()
+        self.title = title
         self.control_fd = control_fd
         self.report_fd = report_fd
         self._cmd_r, self._cmd_w = os.pipe()
@@ -100,10 +103,17 @@ class Worker:
 
     def _report(self) -> None:
         """Tell the master we are alive (a hung process can't) and how busy we are."""
+        busy = self.manager.busy()
         try:
-            os.write(self.report_fd, b"B%d\n" % self.manager.busy())
+            os.write(self.report_fd, b"B%d\n" % busy)
         except (BlockingIOError, BrokenPipeError):
             pass
+        if self.title and busy != self._title_busy:
+            self._title_busy = busy
+            setproctitle.setproctitle(f"{self.title} [{busy} of {self.settings.concurrency} busy"
+                                      f"{', quiet' if self.manager.quiet_flag else ''}]")
+
+    _title_busy = -1
 
     def _handle(self, signum: int) -> None:
         if signum in STOP:

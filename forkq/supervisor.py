@@ -1,0 +1,422 @@
+"""The master: forks N children, talks to them over pipes, respawns and requeues.
+
+One thread, one loop (after gunicorn's arbiter): wait on the self-pipe (signals) and the
+children's report pipes, then handle signals, reap dead children (putting their private
+jobs back before forking a replacement), kill hung or oversized ones, and fork until
+every slot is filled. Children never see the master's signals directly: each command
+travels as one byte (a signal number) down a pipe the master holds to every child, and
+EOF on that pipe tells a child its master is gone.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import select
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import redis
+import setproctitle
+
+from . import client, hooks, logs
+from .fetch import requeue_owner
+from .settings import Settings
+
+log = logs.get("forkq.supervisor")
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGHUP)
+CHILD_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGHUP,
+                 signal.SIGQUIT)
+STOP_GRACE_S = 5.0
+CRASH_LOOP_LIMIT = 3
+
+
+@dataclass
+class Child:
+    slot: int
+    pid: int
+    identity: str
+    control_w: int          # master -> child commands
+    report_r: int           # child -> master pings "B<busy>\n"
+    started: float
+    last_ping: float
+    busy: int = 0
+    stopping_since: float | None = None   # told to stop (recycle) at this monotonic time
+    reason: str = ""                       # why the master ended it: memory, hang, restart
+    buffer: bytes = b""
+
+
+@dataclass
+class Slot:
+    failures: int = 0           # consecutive deaths soon after start
+    next_spawn: float = 0.0     # monotonic time before which not to fork (backoff)
+    last_exit: str = ""
+
+
+@dataclass
+class Stats:
+    restarts: dict[str, int] = field(default_factory=dict)
+    requeued: int = 0
+    poisoned: int = 0
+
+
+class Supervisor:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.children: dict[int, Child] = {}
+        self.slots = [Slot() for _ in range(settings.processes)]
+        self.state = "running"            # running | quiet | stopping
+        self.stop_deadline = 0.0
+        self.recycle: list[int] = []       # slots queued for a rolling restart (HUP)
+        self.pending_requeue: list[tuple[str, bool]] = []
+        self.stats = Stats()
+        self.nonce = os.urandom(6).hex()
+        self.identity = f"{socket.gethostname()}:{os.getpid()}:{self.nonce}"
+        self.app = " ".join(settings.require) or "-"
+        self._redis: redis.Redis | None = None
+        self._sig_r, self._sig_w = os.pipe()
+        self.exit_code = 0
+
+    # -- main loop ----------------------------------------------------------------------
+    def run(self) -> int:
+        for fd in (self._sig_r, self._sig_w):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self._sig_w)
+        for sig in FORWARDED + (signal.SIGCHLD,):
+            signal.signal(sig, _noop)
+        # children share the preloaded app's pages: nothing the master allocated so far
+        # is touched by a collection that would copy it
+        gc.collect()
+        gc.freeze()
+        log.info("master started", processes=self.settings.processes, app=self.app,
+                 identity=self.identity)
+        try:
+            while True:
+                self.spawn_missing()
+                self.set_title()
+                if self.state in ("stopping", "failed") and not self.children:
+                    break
+                self.wait_for_events(0.5)
+                self.reap_children()
+                self.requeue_pending()
+                self.murder_hung_children()
+                self.check_memory()
+                self.roll_restart()
+                self.enforce_stop_deadline()
+        finally:
+            self.requeue_pending(final=True)
+        log.info("master stopped", exit_code=self.exit_code, restarts=self.stats.restarts,
+                 requeued=self.stats.requeued, poisoned=self.stats.poisoned)
+        return self.exit_code
+
+    def wait_for_events(self, timeout: float) -> None:
+        fds = [self._sig_r] + [c.report_r for c in self.children.values()]
+        try:
+            ready, _, _ = select.select(fds, [], [], timeout)
+        except InterruptedError:
+            ready = []
+        by_fd = {c.report_r: c for c in self.children.values()}
+        for fd in ready:
+            if fd == self._sig_r:
+                self.handle_signals()
+            elif fd in by_fd:
+                self.read_report(by_fd[fd])
+
+    def handle_signals(self) -> None:
+        try:
+            data = os.read(self._sig_r, 256)
+        except BlockingIOError:
+            return
+        for signum in data:
+            if signum in (signal.SIGINT, signal.SIGTERM):
+                self.handle_stop(signum)
+            elif signum == signal.SIGTSTP:
+                self.handle_quiet()
+            elif signum == signal.SIGTTIN:
+                log.warning("thread dumps requested", children=len(self.children))
+                self.tell_all(signal.SIGTTIN)
+            elif signum == signal.SIGHUP:
+                self.handle_hup()
+
+    # -- signal handling ----------------------------------------------------------------
+    def handle_stop(self, signum: int) -> None:
+        if self.state == "stopping":
+            log.info("already stopping", signal=signal.Signals(signum).name)
+            return
+        log.info("stopping children", signal=signal.Signals(signum).name, timeout=self.settings.timeout)
+        self.state = "stopping"
+        self.stop_deadline = time.monotonic() + self.settings.timeout + STOP_GRACE_S
+        self.tell_all(signal.SIGTERM)
+
+    def handle_quiet(self) -> None:
+        if self.state == "running":
+            log.info("quiet: children stop taking new jobs")
+            self.state = "quiet"
+        self.tell_all(signal.SIGTSTP)
+
+    def handle_hup(self) -> None:
+        if self.state != "running":
+            return
+        log.info("rolling restart of every child, one at a time")
+        self.recycle = sorted(c.slot for c in self.children.values())
+
+    def tell(self, child: Child, signum: int) -> None:
+        try:
+            os.write(child.control_w, bytes([signum]))
+        except (BrokenPipeError, BlockingIOError, OSError):
+            pass  # it is exiting; the reaper deals with it
+
+    def tell_all(self, signum: int) -> None:
+        for child in list(self.children.values()):
+            self.tell(child, signum)
+
+    # -- children -------------------------------------------------------------------------
+    def read_report(self, child: Child) -> None:
+        try:
+            data = os.read(child.report_r, 4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        if not data:
+            return  # EOF: it is exiting; waitpid will tell how
+        child.last_ping = time.monotonic()
+        child.buffer += data
+        *lines, child.buffer = child.buffer.split(b"\n")
+        for line in lines:
+            if line.startswith(b"B") and line[1:].isdigit():
+                child.busy = int(line[1:])
+
+    def reap_children(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            child = self.children.pop(pid, None)
+            if child is not None:
+                self.child_exited(child, status)
+
+    def child_exited(self, child: Child, status: int) -> None:
+        os.close(child.control_w)
+        os.close(child.report_r)
+        code = os.waitstatus_to_exitcode(status)
+        how = f"exit {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+        expected = self.state == "stopping" or child.reason in ("memory", "restart")
+        crashed = code != 0
+        if crashed and not expected:
+            log.error("child died", slot=child.slot, child_pid=child.pid, how=how)
+        else:
+            log.info("child exited", slot=child.slot, child_pid=child.pid, how=how, reason=child.reason or None)
+        reason = child.reason or ("crash" if crashed else "exit")
+        if self.state != "stopping":
+            self.stats.restarts[reason] = self.stats.restarts.get(reason, 0) + 1
+        # its private jobs go back before anything else happens to the slot
+        self.pending_requeue.append((child.identity, crashed))
+        self.requeue_pending()
+        slot = self.slots[child.slot]
+        slot.last_exit = how
+        lived = time.monotonic() - child.started
+        if crashed and not expected and lived < self.settings.boot_window:
+            slot.failures += 1
+            slot.next_spawn = time.monotonic() + min(0.1 * 2 ** (slot.failures - 1), 10.0)
+        else:
+            slot.failures = 0
+            slot.next_spawn = 0.0
+        if self.state == "running" and all(s.failures >= CRASH_LOOP_LIMIT for s in self.slots):
+            sys.stderr.write(
+                f"forkq: every child died within {self.settings.boot_window:g}s of starting, "
+                f"{CRASH_LOOP_LIMIT} times in a row (last: {how}); giving up. See the log above.\n")
+            self.exit_code = 1
+            self.state = "failed"
+            self.kill_all()
+
+    def requeue_pending(self, final: bool = False) -> None:
+        attempts = 20 if final else 1
+        for _ in range(attempts):
+            if not self.pending_requeue:
+                return
+            identity, crashed = self.pending_requeue[0]
+            try:
+                requeued, poisoned = requeue_owner(
+                    self.redis, identity, [q for q, _ in self.settings.queues],
+                    crashed=crashed and self.state != "stopping", poison_after=self.settings.poison_after)
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
+                if final:
+                    time.sleep(0.25)
+                    continue
+                log.warning("cannot requeue a dead child's jobs yet: Redis unreachable", error=str(exc))
+                return
+            self.pending_requeue.pop(0)
+            self.stats.requeued += requeued
+            self.stats.poisoned += poisoned
+            if requeued or poisoned:
+                log.warning("requeued a child's in-flight jobs", identity=identity,
+                            requeued=requeued, poisoned=poisoned)
+        if final and self.pending_requeue:
+            log.error("Redis unreachable: these children's jobs stay in their private lists for "
+                      "orphan recovery", identities=[i for i, _ in self.pending_requeue])
+
+    @property
+    def redis(self) -> redis.Redis:
+        if self._redis is None:
+            self._redis = client.connect(self.settings.redis_url, socket_timeout=5)
+        return self._redis
+
+    def spawn_missing(self) -> None:
+        if self.state not in ("running",):
+            return
+        taken = {c.slot for c in self.children.values()}
+        now = time.monotonic()
+        for index, slot in enumerate(self.slots):
+            if index not in taken and now >= slot.next_spawn:
+                self.spawn(index)
+
+    def spawn(self, index: int) -> None:
+        control_r, control_w = os.pipe()
+        report_r, report_w = os.pipe()
+        nonce = os.urandom(6).hex()
+        if self._redis is not None:
+            self._redis.connection_pool.disconnect()  # no socket crosses the fork
+        inherited = [fd for c in self.children.values() for fd in (c.control_w, c.report_r)]
+        inherited += [self._sig_r, self._sig_w, control_w, report_r]
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = self.child_main(index, nonce, control_r, report_w, inherited)
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(control_r)
+        os.close(report_w)
+        os.set_blocking(report_r, False)
+        os.set_blocking(control_w, False)
+        now = time.monotonic()
+        identity = f"{socket.gethostname()}:{pid}:{nonce}"
+        self.children[pid] = Child(index, pid, identity, control_w, report_r, now, now)
+        log.info("child started", slot=index, child_pid=pid)
+
+    def child_main(self, index: int, nonce: str, control_r: int, report_w: int,
+                   inherited: list[int]) -> int:
+        # nothing of the master's survives here: its signal traps, its wakeup fd, the
+        # pipes of other children (holding one would hide the master's death from them)
+        signal.set_wakeup_fd(-1)
+        for sig in FORWARDED + (signal.SIGCHLD,):
+            signal.signal(sig, signal.SIG_DFL)
+        for sig in CHILD_IGNORES:
+            signal.signal(sig, signal.SIG_IGN)
+        for fd in inherited:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        os.environ["FORKQ_INDEX"] = str(index)
+        s = self.settings
+        logs.configure(s.log_level, s.log_format, slot=index)
+        setproctitle.setproctitle(f"forkq child {index} {self.app} [0 of {s.concurrency} busy]")
+        for fn in hooks.ON_FORK:
+            fn(index)
+        from .worker import Worker
+        identity = f"{socket.gethostname()}:{os.getpid()}:{nonce}"
+        worker = Worker(s, slot=index, master=self.identity, control_fd=control_r,
+                        report_fd=report_w, identity=identity,
+                        title=f"forkq child {index} {self.app}")
+        return worker.run()
+
+    def kill_all(self) -> None:
+        for child in self.children.values():
+            _kill(child.pid)
+
+    # -- health ---------------------------------------------------------------------------
+    def murder_hung_children(self) -> None:
+        now = time.monotonic()
+        if self.state == "stopping":
+            return  # a stopping child is busy draining; the stop deadline bounds it
+        for child in list(self.children.values()):
+            if child.stopping_since is not None:
+                continue
+            if now - child.last_ping > self.settings.hang_timeout and child.reason != "hang":
+                log.error("child stopped pinging; killing it", slot=child.slot, child_pid=child.pid,
+                          silent_s=round(now - child.last_ping, 1))
+                child.reason = "hang"
+                _kill(child.pid)
+
+    _last_memory_check = 0.0
+
+    def check_memory(self) -> None:
+        limit = self.settings.max_memory_mb
+        now = time.monotonic()
+        if limit is None or now - self._last_memory_check < 1.0:
+            return
+        self._last_memory_check = now
+        if any(c.stopping_since is not None for c in self.children.values()):
+            return  # one recycle at a time keeps the other children working
+        for child in self.children.values():
+            try:
+                rss_mb = psutil.Process(child.pid).memory_info().rss / 1_048_576
+            except psutil.Error:
+                continue
+            if rss_mb > limit and self.state == "running":
+                log.warning("child over its memory limit; recycling it", slot=child.slot,
+                            pid=child.pid, rss_mb=round(rss_mb, 1), limit_mb=limit)
+                self.retire(child, "memory")
+                return
+
+    def retire(self, child: Child, reason: str) -> None:
+        child.reason = reason
+        child.stopping_since = time.monotonic()
+        self.tell(child, signal.SIGTERM)
+
+    def roll_restart(self) -> None:
+        if not self.recycle or self.state != "running":
+            self.recycle = [] if self.state != "running" else self.recycle
+            return
+        if any(c.stopping_since is not None for c in self.children.values()):
+            return
+        if len(self.children) < len(self.slots):
+            return  # wait for the last replacement before retiring the next
+        slot = self.recycle.pop(0)
+        for child in self.children.values():
+            if child.slot == slot:
+                self.retire(child, "restart")
+                return
+
+    def enforce_stop_deadline(self) -> None:
+        now = time.monotonic()
+        for child in list(self.children.values()):
+            since = child.stopping_since
+            if since is not None and now > since + self.settings.timeout + STOP_GRACE_S:
+                log.error("child did not stop in time; killing it", slot=child.slot, child_pid=child.pid)
+                child.stopping_since = float("inf")
+                _kill(child.pid)
+        if self.state == "stopping" and now > self.stop_deadline and self.children:
+            log.error("children did not stop in time; killing them", pids=sorted(self.children))
+            self.stop_deadline = float("inf")
+            self.kill_all()
+
+    def set_title(self) -> None:
+        busy = sum(c.busy for c in self.children.values())
+        title = (f"forkq master {self.app} [{len(self.children)}/{len(self.slots)} children, "
+                 f"{busy} busy{', ' + self.state if self.state != 'running' else ''}]")
+        if title != getattr(self, "_title", None):
+            self._title = title
+            setproctitle.setproctitle(title)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _noop(signum: int, frame: object) -> None:
+    """The wakeup fd carries the signal to the loop; handlers do nothing themselves."""
