@@ -88,6 +88,32 @@ def _wait_exit(proc, timeout):
         return None
 
 
+def _log_file(log_path, prefix):
+    """(path, owned): the given log path, or a new temp file we may delete later."""
+    if log_path:
+        return Path(log_path), False
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".log")
+    os.close(fd)
+    return Path(path), True
+
+
+def _stop_and_tidy(process, exc_type):
+    """Context-manager exit for SidekiqServer / ForkqWorker.
+
+    Stops the process (SIGKILL if SIGTERM does not work); deletes a temp log
+    we made only when all went well, so a failure's log stays for reading.
+    """
+    clean = False
+    try:
+        clean = process.stop() == 0 and exc_type is None
+    finally:
+        if process.proc and process.proc.poll() is None:
+            os.kill(process.proc.pid, signal.SIGKILL)
+            process.proc.wait()
+        if clean and process._own_log:
+            process.log_path.unlink(missing_ok=True)
+
+
 class RedisServer:
     """A private redis-server on 127.0.0.1, with its own directory and AOF.
 
@@ -300,7 +326,8 @@ def sidekiq_ruby_problem():
     except subprocess.TimeoutExpired:
         return "`ruby -e 'require \"sidekiq\"'` hung for 60 s"
     if out.returncode != 0:
-        return f"`require \"sidekiq\"` failed: {out.stderr.strip()[-300:]}"
+        detail = out.stderr.strip()[-300:] or f"exit status {out.returncode}"
+        return f"`ruby -e 'require \"sidekiq\"'` failed: {detail}"
     return None
 
 
@@ -380,9 +407,7 @@ class SidekiqServer:
         self.url = url
         self.queues = list(queues)
         self.concurrency = concurrency
-        self.log_path = Path(log_path) if log_path else Path(
-            tempfile.mkstemp(prefix="sidekiq-", suffix=".log")[1]
-        )
+        self.log_path, self._own_log = _log_file(log_path, "sidekiq-")
         self.proc = None
 
     def command(self):
@@ -439,13 +464,8 @@ class SidekiqServer:
     def __enter__(self):
         return self.start()
 
-    def __exit__(self, *exc):
-        try:
-            self.stop()
-        finally:
-            if self.proc and self.proc.poll() is None:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+    def __exit__(self, exc_type, exc, tb):
+        _stop_and_tidy(self, exc_type)
 
 
 # ---------------------------------------------------------------------------
@@ -463,9 +483,7 @@ class ForkqWorker:
         self.queues = list(queues)
         self.concurrency = concurrency
         self.extra_args = list(extra_args)
-        self.log_path = Path(log_path) if log_path else Path(
-            tempfile.mkstemp(prefix="forkq-", suffix=".log")[1]
-        )
+        self.log_path, self._own_log = _log_file(log_path, "forkq-")
         self.proc = None
 
     def command(self):
@@ -514,10 +532,5 @@ class ForkqWorker:
     def __enter__(self):
         return self.start()
 
-    def __exit__(self, *exc):
-        try:
-            self.stop()
-        finally:
-            if self.proc and self.proc.poll() is None:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+    def __exit__(self, exc_type, exc, tb):
+        _stop_and_tidy(self, exc_type)

@@ -52,8 +52,13 @@ def _wait_for_records(r, key, count, timeout, process):
     return _records(r, key)
 
 
-def _forkq_worker(redis_url):
-    return ForkqWorker(redis_url, INTEROP_JOBS, queues=["default"], concurrency=2)
+def _forkq_worker(redis_url, tmp_path):
+    return ForkqWorker(redis_url, INTEROP_JOBS, queues=["default"], concurrency=2,
+                       log_path=tmp_path / "forkq.log")
+
+
+def _sidekiq_server(sidekiq_ruby, redis_url, tmp_path):
+    return sidekiq_ruby.server(redis_url, log_path=tmp_path / "sidekiq.log")
 
 
 def _assert_sidekiq_shape(job):
@@ -80,14 +85,14 @@ def test_ruby_push_writes_the_reference_format(sidekiq_ruby, redis_url, r):
 
 
 @pytest.mark.timeout(60)
-def test_ruby_sidekiq_runs_a_payload_built_by_hand(sidekiq_ruby, redis_url, r):
+def test_ruby_sidekiq_runs_a_payload_built_by_hand(sidekiq_ruby, redis_url, r, tmp_path):
     now = time.time()
     job = {"class": "InteropJob", "args": ["by", "hand"], "jid": "0123456789abcdef01234567",
            "queue": "default", "retry": True, "created_at": now, "enqueued_at": now}
     r.sadd("queues", "default")
     r.lpush("queue:default", json.dumps(job))
 
-    with sidekiq_ruby.server(redis_url) as sidekiq:
+    with _sidekiq_server(sidekiq_ruby, redis_url, tmp_path) as sidekiq:
         (ran,) = _wait_for_records(r, SIDEKIQ_RAN, 1, 30, sidekiq)
         assert sidekiq.stop() == 0
 
@@ -99,10 +104,10 @@ def test_ruby_sidekiq_runs_a_payload_built_by_hand(sidekiq_ruby, redis_url, r):
 
 
 @pytest.mark.timeout(60)
-def test_forkq_runs_job_pushed_by_ruby_sidekiq(sidekiq_ruby, redis_url, r):
+def test_forkq_runs_job_pushed_by_ruby_sidekiq(sidekiq_ruby, redis_url, r, tmp_path):
     sidekiq_ruby.push(redis_url, "InteropJob", ARGS)
 
-    with _forkq_worker(redis_url) as worker:
+    with _forkq_worker(redis_url, tmp_path) as worker:
         (ran,) = _wait_for_records(r, FORKQ_RAN, 1, 30, worker)
         assert worker.stop() == 0
 
@@ -112,12 +117,12 @@ def test_forkq_runs_job_pushed_by_ruby_sidekiq(sidekiq_ruby, redis_url, r):
 
 
 @pytest.mark.timeout(90)
-def test_forkq_runs_every_job_of_ruby_push_bulk(sidekiq_ruby, redis_url, r):
+def test_forkq_runs_every_job_of_ruby_push_bulk(sidekiq_ruby, redis_url, r, tmp_path):
     n = 25
     jids = sidekiq_ruby.push_bulk(redis_url, "InteropJob", n)
     assert len(set(jids)) == n
 
-    with _forkq_worker(redis_url) as worker:
+    with _forkq_worker(redis_url, tmp_path) as worker:
         _wait_for_records(r, FORKQ_RAN, n, 60, worker)
         assert worker.stop() == 0
 
@@ -130,10 +135,10 @@ def test_forkq_runs_every_job_of_ruby_push_bulk(sidekiq_ruby, redis_url, r):
 
 
 @pytest.mark.timeout(60)
-def test_ruby_sidekiq_runs_job_pushed_by_forkq(sidekiq_ruby, redis_url, r):
+def test_ruby_sidekiq_runs_job_pushed_by_forkq(sidekiq_ruby, redis_url, r, tmp_path):
     jid = forkq.Client(redis_url).push("InteropJob", ARGS)
 
-    with sidekiq_ruby.server(redis_url) as sidekiq:
+    with _sidekiq_server(sidekiq_ruby, redis_url, tmp_path) as sidekiq:
         (ran,) = _wait_for_records(r, SIDEKIQ_RAN, 1, 30, sidekiq)
         assert sidekiq.stop() == 0
 
@@ -143,7 +148,7 @@ def test_ruby_sidekiq_runs_job_pushed_by_forkq(sidekiq_ruby, redis_url, r):
 
 
 @pytest.mark.timeout(120)
-def test_ruby_sidekiq_poller_runs_job_scheduled_by_forkq(sidekiq_ruby, redis_url, r):
+def test_ruby_sidekiq_poller_runs_job_scheduled_by_forkq(sidekiq_ruby, redis_url, r, tmp_path):
     at = time.time() + 1.0
     jid = forkq.Client(redis_url).push("InteropJob", ARGS, at=at)
 
@@ -152,7 +157,7 @@ def test_ruby_sidekiq_poller_runs_job_scheduled_by_forkq(sidekiq_ruby, redis_url
     assert r.llen("queue:default") == 0
 
     # Sidekiq's first poll of `schedule` comes 10-15 s after boot.
-    with sidekiq_ruby.server(redis_url) as sidekiq:
+    with _sidekiq_server(sidekiq_ruby, redis_url, tmp_path) as sidekiq:
         (ran,) = _wait_for_records(r, SIDEKIQ_RAN, 1, 40, sidekiq)
         assert sidekiq.stop() == 0
 
