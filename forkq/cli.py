@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -84,32 +83,48 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def module_name_for(path: Path) -> str | None:
+    """The dotted name a .py file has under cwd or sys.path (app/jobs.py -> app.jobs), so
+    its jobs register under the same names a client importing it normally would use."""
+    for entry in [os.getcwd(), *sys.path]:
+        if not entry:
+            continue
+        try:
+            rel = path.relative_to(Path(entry).resolve())
+        except (ValueError, OSError):
+            continue
+        parts = rel.with_suffix("").parts
+        if parts and all(p.isidentifier() for p in parts):
+            return ".".join(parts)
+    return None
+
+
 def load_app(requires: list[str]) -> None:
-    """Import each --require: a .py path (its folder joins sys.path) or a dotted module."""
-    if "" not in sys.path and os.getcwd() not in sys.path:
+    """Import each --require: a dotted module, or a .py path imported under its dotted name."""
+    if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     for item in requires:
         if item.endswith(".py") or os.sep in item:
             path = Path(item).resolve()
             if not path.is_file():
                 raise ConfigError(f"--require {item}: no such file")
-            sys.path.insert(0, str(path.parent))
-            name = path.stem
-            if name in sys.modules:
-                continue
-            spec = importlib.util.spec_from_file_location(name, path)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
+            name = module_name_for(path)
+            if name is None:
+                sys.path.insert(0, str(path.parent))
+                name = path.stem
+            _import(item, name)
         else:
-            try:
-                importlib.import_module(item)
-            except ModuleNotFoundError as exc:
-                if exc.name and item.startswith(exc.name):
-                    raise ConfigError(f"--require {item}: no module named {exc.name!r} "
-                                      f"(is it on PYTHONPATH? cwd is {os.getcwd()})") from None
-                raise
+            _import(item, item)
+
+
+def _import(item: str, name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and name.startswith(exc.name):
+            raise ConfigError(f"--require {item}: no module named {exc.name!r} "
+                              f"(is it on PYTHONPATH? cwd is {os.getcwd()})") from None
+        raise
 
 
 def settings_from(args: argparse.Namespace) -> Settings:

@@ -44,7 +44,8 @@ def configure(level: str = "info", fmt: str | None = None, slot: int | None = No
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_level),
-        logger_factory=structlog.PrintLoggerFactory(stream),
+        # one write per line, under a lock: threads' lines never interleave
+        logger_factory=structlog.WriteLoggerFactory(stream),
         cache_logger_on_first_use=False,
     )
 

@@ -1,0 +1,153 @@
+"""Enqueue and processing throughput, Redis commands per job, and child-death recovery time.
+
+    python bench/throughput.py [--jobs 20000] [--processes 2] [--concurrency 10]
+
+Prints figures; asserts nothing. Uses a private redis-server on a free port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import psutil  # noqa: E402
+
+import forkq  # noqa: E402
+from bench import jobs  # noqa: E402
+from bench.common import PrivateRedis, in_flight, start_master, stop_master  # noqa: E402
+
+
+def wait_drained(r, queue: str, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if r.llen(f"queue:{queue}") == 0 and in_flight(r) == 0:
+            return time.monotonic()
+        time.sleep(0.02)  # polling costs commands too: keep it rare next to the jobs'
+    raise SystemExit(f"not drained after {timeout}s: {r.llen(f'queue:{queue}')} queued")
+
+
+def wait_ready(r, processes: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while r.scard("processes") < processes or r.hlen("forkq:owners") < processes:
+        if time.monotonic() > deadline:
+            raise SystemExit("workers did not start")
+        time.sleep(0.01)
+
+
+def bench_enqueue(r, n: int) -> tuple[float, float]:
+    client = forkq.Client(r.url)
+    many = jobs.noop.options(client=client)
+    t0 = time.perf_counter()
+    many.enqueue_many([()] * n)
+    bulk_rate = n / (time.perf_counter() - t0)
+    r.client.delete("queue:bench")
+    single = min(n, 5000)
+    t0 = time.perf_counter()
+    for _ in range(single):
+        many.enqueue()
+    single_rate = single / (time.perf_counter() - t0)
+    r.client.delete("queue:bench")
+    return bulk_rate, single_rate
+
+
+def bench_process(r, n: int, processes: int, concurrency: int, log_level: str) -> tuple[float, float]:
+    jobs.noop.options(client=forkq.Client(r.url)).enqueue_many([()] * n)
+    proc = start_master(r.url, "--require", "bench/jobs.py", "--queue", "bench", "--processes",
+                        str(processes), "--concurrency", str(concurrency), "--log-level", log_level,
+                        "--log-format", "json")
+    try:
+        # the queue is full before the workers start: time from the first claim to empty
+        deadline = time.monotonic() + 30
+        while r.client.llen("queue:bench") == n:
+            if time.monotonic() > deadline:
+                raise SystemExit("workers did not start")
+            time.sleep(0.0005)
+        t0 = time.monotonic()
+        c0 = r.commands()
+        t1 = wait_drained(r.client, "bench", 300)
+        c1 = r.commands()
+        leftover = r.client.zcard("retry") + r.client.zcard("dead")
+        if leftover:
+            raise SystemExit(f"{leftover} jobs failed: the benchmark is not measuring no-op jobs")
+    finally:
+        stop_master(proc)
+    return n / (t1 - t0), (c1 - c0) / n
+
+
+def bench_recovery(r, processes: int, concurrency: int, rounds: int) -> list[float]:
+    client = forkq.Client(r.url)
+    proc = start_master(r.url, "--require", "bench/jobs.py", "--queue", "bench", "--processes",
+                        str(processes), "--concurrency", str(concurrency), "--log-level", "warning")
+    times = []
+    try:
+        wait_ready(r.client, processes)
+        for _ in range(rounds):
+            r.client.delete("queue:bench")
+            jobs.sleepy.options(client=client).enqueue_many([(30,)] * (processes * concurrency))
+            deadline = time.monotonic() + 20
+            while in_flight(r.client) < processes * concurrency:
+                if time.monotonic() > deadline:
+                    raise SystemExit("jobs were not claimed")
+                time.sleep(0.002)
+            victim = psutil.Process(proc.pid).children()[0]
+            held = r.client.hlen(f"forkq:inflight:{_identity_of(r.client, victim.pid)}")
+            before = r.client.llen("queue:bench")
+            t0 = time.monotonic()
+            os.kill(victim.pid, signal.SIGKILL)
+            while r.client.llen("queue:bench") < before + held:
+                if time.monotonic() - t0 > 10:
+                    raise SystemExit("jobs did not come back")
+                time.sleep(0.0005)
+            times.append(time.monotonic() - t0)
+            # let the replacement claim them again, then clear for the next round
+            r.client.delete("queue:bench")
+            wait_ready(r.client, processes)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return times
+
+
+def _identity_of(client, pid: int) -> str:
+    for owner in client.hkeys("forkq:owners"):
+        if owner.decode().split(":")[-2] == str(pid):
+            return owner.decode()
+    raise SystemExit(f"no owner entry for pid {pid}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--jobs", type=int, default=20_000)
+    p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=10)
+    p.add_argument("--recovery-rounds", type=int, default=5)
+    a = p.parse_args()
+    with PrivateRedis() as r:
+        bulk, single = bench_enqueue(r, a.jobs)
+        print(f"enqueue_many:        {bulk:10,.0f} jobs/s  (batches of 1,000, {a.jobs:,} jobs)")
+        print(f"enqueue (one by one): {single:9,.0f} jobs/s  (one thread)")
+        for level in ("warning", "info"):
+            r.client.flushall()
+            rate, cpj = bench_process(r, a.jobs, a.processes, a.concurrency, level)
+            print(f"processing --log-level {level:7}: {rate:8,.0f} jobs/s, {cpj:.2f} Redis commands/job "
+                  f"({a.jobs:,} no-op jobs, --processes {a.processes} --concurrency {a.concurrency})")
+        r.client.flushall()
+        rate1, _ = bench_process(r, a.jobs, 1, a.concurrency, "warning")
+        print(f"processing --processes 1 (warning): {rate1:8,.0f} jobs/s")
+        r.client.flushall()
+        times = bench_recovery(r, a.processes, a.concurrency, a.recovery_rounds)
+        print(f"recovery after SIGKILL of a busy child ({a.concurrency} jobs in flight): "
+              f"median {statistics.median(times) * 1000:.1f} ms, worst {max(times) * 1000:.1f} ms "
+              f"over {len(times)} kills")
+
+
+if __name__ == "__main__":
+    main()
