@@ -7,7 +7,6 @@ Debian's Ruby Sidekiq 6.4.1 (`apt-get install ruby-sidekiq`) against it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -58,18 +57,30 @@ def free_port():
         return sock.getsockname()[1]
 
 
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()  # looked up here: a preexec_fn should not import or allocate
+_PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent():
-    """preexec_fn: have Linux SIGKILL the child if the test process dies.
+    """preexec_fn: have Linux SIGKILL the child when the thread that started it ends.
 
     Keeps a hung or killed pytest from leaving redis-server / sidekiq behind.
+    Linux ties this to the *thread*: start long-lived servers from the main
+    thread (fixtures do), not from a short-lived helper thread.
     """
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _tail(path, lines=30):
