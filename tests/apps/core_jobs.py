@@ -1,0 +1,152 @@
+"""Jobs for the core worker tests, loaded by `forkq start --no-fork --require tests/apps/core_jobs.py`.
+
+The tests import this file as the top-level module `core_jobs` (tests/corekit.py puts
+tests/apps on sys.path), exactly as the worker's --require does, so the default job
+names (`core_jobs.record`, ...) are the same on both sides.
+
+Every job writes what it did to Redis, so a test can poll for it:
+
+    RPUSH core:ran  {"job": KIND, "args": [...], "pid": PID, "t": EPOCH_S}
+    RPUSH core:seen <the payload as the worker handed it to the job>   (server middleware)
+
+Records go to CORE_RECORD_URL if set, else to FORKQ_REDIS_URL: a test that restarts the
+worker's Redis points CORE_RECORD_URL at another server, so recording never fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import redis
+
+import forkq
+
+RAN = "core:ran"
+SEEN = "core:seen"
+
+_conn: redis.Redis | None = None
+_conn_pid = 0
+
+
+def store() -> redis.Redis:
+    """The recording connection, made on first use in each process (never at import)."""
+    global _conn, _conn_pid
+    if _conn is None or _conn_pid != os.getpid():
+        url = os.environ.get("CORE_RECORD_URL") or os.environ["FORKQ_REDIS_URL"]
+        _conn = redis.Redis.from_url(url)
+        _conn_pid = os.getpid()
+    return _conn
+
+
+def note(kind: str, *args, **extra) -> None:
+    record = {"job": kind, "args": list(args), "pid": os.getpid(), "t": time.time()}
+    record.update(extra)
+    store().rpush(RAN, json.dumps(record))
+
+
+@forkq.server_middleware
+def remember_payload(job, queue, call_next):
+    store().rpush(SEEN, json.dumps(job))
+    return call_next()
+
+
+# -- jobs that succeed ----------------------------------------------------------------
+
+
+@forkq.job
+def record(*args):
+    note("record", *args)
+
+
+@forkq.job
+def add(a, b):
+    """Touches no Redis: the tests call it directly to check local calls run the function."""
+    return a + b
+
+
+@forkq.job(queue="mail", retry=3, name="CustomName")
+def named(*args):
+    note("named", *args)
+
+
+@forkq.job
+def sleepy(seconds, tag):
+    note("start", tag)
+    time.sleep(seconds)
+    note("end", tag)
+
+
+# -- jobs that fail -------------------------------------------------------------------
+
+
+@forkq.job
+def fail(tag):
+    note("fail", tag)
+    raise ValueError(f"boom {tag}")
+
+
+@forkq.job(retry=False)
+def fail_no_retry(tag):
+    note("fail", tag)
+    raise ValueError(f"no retry {tag}")
+
+
+def _exhausted(job, exc):
+    note("exhausted", job["jid"], job.get("retry_count"), type(exc).__name__)
+
+
+@forkq.job(retry=0, retries_exhausted=_exhausted)
+def fail_exhausted(tag):
+    note("fail", tag)
+    raise ValueError(f"exhausted {tag}")
+
+
+@forkq.job(retry=1, retry_in=lambda count, exc: 0, retries_exhausted=_exhausted)
+def fail_twice(tag):
+    """One retry, due at once: the second failure exhausts it."""
+    note("fail", tag)
+    raise ValueError(f"twice {tag}")
+
+
+@forkq.job(retry=0, dead=False, retries_exhausted=_exhausted)
+def fail_no_dead(tag):
+    note("fail", tag)
+    raise ValueError(f"no dead {tag}")
+
+
+class HookedError(Exception):
+    def __init__(self, mode):
+        super().__init__(f"hooked {mode}")
+        self.mode = mode
+
+
+def _retry_in(count, exc):
+    note("retry_in", count, exc.mode)
+    return {"seconds": 1000, "discard": "discard", "kill": "kill", "none": None}[exc.mode]
+
+
+@forkq.job(retry=5, retry_in=_retry_in)
+def fail_hooked(mode):
+    raise HookedError(mode)
+
+
+@forkq.job(backtrace=True)
+def fail_backtrace(tag):
+    _deep_raise(tag)
+
+
+@forkq.job(backtrace=3)
+def fail_backtrace3(tag):
+    _deep_raise(tag)
+
+
+def _deep_raise(tag):
+    raise KeyError(f"deep {tag}")
+
+
+@forkq.job(retry_queue="retries")
+def fail_retry_queue(tag):
+    note("fail", tag)
+    raise ValueError(f"retry queue {tag}")

@@ -1,0 +1,158 @@
+"""Support for the core worker tests (test_client, test_retry, test_worker, ...).
+
+    CORE_JOBS            path of tests/apps/core_jobs.py (the worker's --require)
+    core_jobs            that module, imported under the same name the worker uses
+    workers              fixture: start(...) real `forkq start --no-fork` subprocesses,
+                         each SIGKILLed at teardown if still alive
+    records(r, kind)     what the jobs wrote to core:ran
+    wait_records(...)    poll core:ran, failing early (with the log) if a worker died
+
+Import the fixtures into a test module with `from corekit import workers, forkq_client`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import forkq
+import forkq.client
+from helpers import ForkqWorker, wait_until
+
+APPS = Path(__file__).resolve().parent / "apps"
+CORE_JOBS = APPS / "core_jobs.py"
+if str(APPS) not in sys.path:
+    sys.path.insert(0, str(APPS))
+
+import core_jobs  # noqa: E402  (after the sys.path change, as the worker imports it)
+
+RAN = core_jobs.RAN
+SEEN = core_jobs.SEEN
+
+
+class CoreWorker(ForkqWorker):
+    """A ForkqWorker that knows its identity once its first heartbeat is in Redis."""
+
+    identity: str | None = None
+
+    def wait_ready(self, client, timeout=15.0):
+        marker = f":{self.proc.pid}:".encode()
+
+        def ready():
+            self.assert_alive()
+            for member in client.smembers("processes"):
+                if marker in member:
+                    return member.decode()
+            return None
+
+        self.identity = wait_until(ready, timeout=timeout, interval=0.02,
+                                   message=f"heartbeat of worker pid {self.proc.pid}")
+        return self.identity
+
+    def signal(self, signum):
+        os.kill(self.proc.pid, signum)
+
+    def wait_exit(self, timeout):
+        """Wait for the process to exit; return its code (AssertionError if it does not)."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"worker still running after {timeout:g}s:\n{self.log_tail()}")
+            time.sleep(0.02)
+        return self.proc.returncode
+
+    def kill(self):
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def workers(redis_url, redis_server, tmp_path):
+    """start(queues=..., concurrency=..., timeout=..., poll_interval=..., url=..., ready=True).
+
+    Starts a worker on `url` (default: the shared server, already flushed) running
+    core_jobs, waits for its heartbeat unless ready=False, and returns the CoreWorker.
+    Every worker still alive at teardown is SIGKILLed.
+    """
+    started: list[CoreWorker] = []
+
+    def start(queues=("default",), concurrency=2, timeout=5, poll_interval=None, url=None,
+              extra_args=(), ready=True):
+        url = url or redis_url
+        args = ["--timeout", str(timeout)]
+        if poll_interval is not None:
+            args += ["--poll-interval", str(poll_interval)]
+        worker = CoreWorker(url, CORE_JOBS, queues=list(queues), concurrency=concurrency,
+                            extra_args=args + list(extra_args),
+                            log_path=tmp_path / f"worker-{len(started)}.log")
+        started.append(worker)
+        worker.start()
+        if ready:
+            client = forkq.client.connect(url)
+            try:
+                worker.wait_ready(client)
+            finally:
+                client.close()
+        return worker
+
+    yield start
+    for worker in started:
+        worker.kill()
+
+
+@pytest.fixture
+def forkq_client(redis_url):
+    """forkq's default client pointed at the flushed shared server (reset at teardown)."""
+    client = forkq.configure(redis_url)
+    try:
+        yield client
+    finally:
+        forkq.client._default = None
+
+
+def records(r, kind=None):
+    out = [json.loads(raw) for raw in r.lrange(RAN, 0, -1)]
+    return [rec for rec in out if kind is None or rec["job"] == kind]
+
+
+def seen(r):
+    return [json.loads(raw) for raw in r.lrange(SEEN, 0, -1)]
+
+
+def wait_records(r, count, *workers_, kind=None, timeout=10.0):
+    """Poll until core:ran holds `count` records (of `kind`); fail early if a worker exited."""
+    def enough():
+        for w in workers_:
+            w.assert_alive()
+        got = records(r, kind)
+        return got if len(got) >= count else None
+
+    return wait_until(enough, timeout=timeout, interval=0.02,
+                      message=f"{count} record(s) of {kind or 'any kind'} in {RAN}")
+
+
+def zset(r, key):
+    """[(payload dict, score)] of a sorted set, lowest score first."""
+    return [(json.loads(m), s) for m, s in r.zrange(key, 0, -1, withscores=True)]
+
+
+def wait_zset(r, key, count, *workers_, timeout=10.0):
+    def enough():
+        for w in workers_:
+            w.assert_alive()
+        got = zset(r, key)
+        return got if len(got) >= count else None
+
+    return wait_until(enough, timeout=timeout, interval=0.02, message=f"{count} entries in {key}")
+
+
+def queued(r, queue="default"):
+    """Jobs on queue:NAME, the next to run first."""
+    return [json.loads(raw) for raw in reversed(r.lrange(f"queue:{queue}", 0, -1))]
