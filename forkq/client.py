@@ -30,11 +30,11 @@ def mask_url(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
+    # Rebuild from the raw netloc: parts.port raises on a bad port, and the URL being
+    # masked is often a bad one that an error message is about to show.
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0]
+    return urlunsplit((parts.scheme, f"{user}:***@{hostport}", parts.path, parts.query, parts.fragment))
 
 
 def connect(url: str | None = None, **options: Any) -> redis.Redis:
