@@ -1,0 +1,374 @@
+"""The client side: @forkq.job, enqueueing, payload shape in Redis, middleware, connections.
+
+Everything is checked in a real redis-server (the shared one, flushed per test, or a
+private `own_redis`). The job definitions are tests/apps/core_jobs.py.
+"""
+
+import json
+import re
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+import forkq
+import forkq.jobs
+from corekit import core_jobs, forkq_client  # noqa: F401  (fixture)
+from helpers import RedisServer, free_port
+
+JID = re.compile(r"\A[0-9a-f]{24}\Z")
+PUSHED_FIELDS = {"class", "args", "jid", "queue", "retry", "created_at", "enqueued_at"}
+SCHEDULED_FIELDS = PUSHED_FIELDS - {"enqueued_at"}
+
+
+def _queue(r, name="default"):
+    """Jobs on queue:NAME, the next one to run (the rightmost) first."""
+    return [json.loads(raw) for raw in reversed(r.lrange(f"queue:{name}", 0, -1))]
+
+
+def _schedule(r):
+    return [(json.loads(m), s) for m, s in r.zrange("schedule", 0, -1, withscores=True)]
+
+
+def _cmd_calls(r, command):
+    stats = r.info("commandstats")
+    return stats.get(f"cmdstat_{command}", {}).get("calls", 0)
+
+
+# -- @forkq.job ---------------------------------------------------------------------------
+
+
+def test_bare_decorator_defaults():
+    job = core_jobs.record
+    assert isinstance(job, forkq.Job)
+    assert job.name == "core_jobs.record"  # module.function
+    assert job.queue == "default"
+    assert job.retry is True
+    assert forkq.jobs.lookup("core_jobs.record") is job
+
+
+def test_decorator_with_options(forkq_client, r):
+    job = core_jobs.named
+    assert (job.name, job.queue, job.retry) == ("CustomName", "mail", 3)
+    assert forkq.jobs.lookup("CustomName") is job
+
+    jid = job.enqueue("x")
+    (pushed,) = _queue(r, "mail")
+    assert pushed["jid"] == jid
+    assert (pushed["class"], pushed["queue"], pushed["retry"], pushed["args"]) == (
+        "CustomName", "mail", 3, ["x"])
+    assert r.smembers("queues") == {b"mail"}
+    assert not r.exists("queue:default")
+
+
+def test_decorator_options_become_payload_fields(forkq_client, r):
+    core_jobs.fail_retry_queue.enqueue("t")
+    core_jobs.fail_no_dead.enqueue("t")
+    core_jobs.fail_backtrace3.enqueue("t")
+    by_class = {j["class"]: j for j in _queue(r)}
+    assert by_class["core_jobs.fail_retry_queue"]["retry_queue"] == "retries"
+    assert by_class["core_jobs.fail_no_dead"]["dead"] is False
+    assert by_class["core_jobs.fail_no_dead"]["retry"] == 0
+    assert by_class["core_jobs.fail_backtrace3"]["backtrace"] == 3
+
+
+def test_negative_retry_is_refused():
+    with pytest.raises(ValueError, match="retry"):
+        forkq.job(retry=-1)
+
+
+def test_calling_the_function_runs_it_locally(forkq_client, r):
+    assert core_jobs.add(2, 3) == 5
+    assert core_jobs.add.__wrapped__(1, 1) == 2
+    assert r.dbsize() == 0
+
+
+# -- what lands in Redis ------------------------------------------------------------------
+
+
+def test_enqueue_writes_exactly_sidekiqs_fields(forkq_client, r):
+    before = time.time()
+    jid = core_jobs.record.enqueue(1, "two", {"three": [3]}, None)
+    after = time.time()
+
+    assert JID.match(jid)
+    (raw,) = r.lrange("queue:default", 0, -1)
+    job = json.loads(raw)
+    assert set(job) == PUSHED_FIELDS
+    assert job["jid"] == jid
+    assert job["class"] == "core_jobs.record"
+    assert job["args"] == [1, "two", {"three": [3]}, None]
+    assert job["queue"] == "default"
+    assert job["retry"] is True
+    assert type(job["created_at"]) is float and type(job["enqueued_at"]) is float
+    assert before <= job["created_at"] <= job["enqueued_at"] <= after
+    assert r.smembers("queues") == {b"default"}
+
+
+def test_each_job_gets_its_own_jid(forkq_client, r):
+    jids = [core_jobs.record.enqueue(i) for i in range(50)]
+    assert len(set(jids)) == 50
+    assert [j["jid"] for j in _queue(r)] == jids
+
+
+def test_lpush_order_is_fifo(forkq_client, r):
+    for i in range(3):
+        core_jobs.record.enqueue(i)
+    # clients LPUSH, workers pop the right end: the first pushed is rightmost
+    assert json.loads(r.lindex("queue:default", -1))["args"] == [0]
+    assert [json.loads(r.rpop("queue:default"))["args"] for _ in range(3)] == [[0], [1], [2]]
+
+
+def test_enqueue_in_goes_to_schedule_without_enqueued_at(forkq_client, r):
+    before = time.time()
+    jid = core_jobs.record.enqueue_in(60, "later")
+    after = time.time()
+
+    assert not r.exists("queue:default")
+    ((job, score),) = _schedule(r)
+    assert set(job) == SCHEDULED_FIELDS  # no enqueued_at, and no `at`
+    assert job["jid"] == jid and job["args"] == ["later"]
+    assert before + 60 <= score <= after + 60
+    assert job["created_at"] <= score
+
+
+def test_enqueue_at_datetime_and_epoch(forkq_client, r):
+    when = datetime.now(timezone.utc) + timedelta(hours=1)
+    a = core_jobs.record.enqueue_at(when, "dt")
+    b = core_jobs.record.enqueue_at(when.timestamp() + 1, "float")
+    c = core_jobs.record.enqueue_at(int(when.timestamp()) + 2, "int")
+
+    scores = {job["jid"]: score for job, score in _schedule(r)}
+    assert scores[a] == pytest.approx(when.timestamp(), abs=1e-6)
+    assert scores[b] == pytest.approx(when.timestamp() + 1, abs=1e-6)
+    assert scores[c] == int(when.timestamp()) + 2
+    assert not r.exists("queue:default")
+
+
+def test_enqueue_at_a_past_time_pushes_onto_the_queue(forkq_client, r):
+    jid = core_jobs.record.enqueue_at(time.time() - 10, "overdue")
+    assert not r.exists("schedule")
+    (job,) = _queue(r)
+    assert job["jid"] == jid and "enqueued_at" in job
+
+
+def test_enqueue_at_refuses_a_bad_time(forkq_client, r):
+    with pytest.raises(TypeError, match="epoch seconds or a datetime"):
+        core_jobs.record.enqueue_at("tomorrow", 1)
+    assert r.dbsize() == 0
+
+
+def test_enqueue_many_is_one_lpush_per_batch(forkq_client, r):
+    r.config_resetstat()
+    jids = core_jobs.record.enqueue_many(([i] for i in range(2500)), batch_size=1000)
+
+    assert _cmd_calls(r, "lpush") == 3  # batches of 1000, 1000, 500
+    assert _cmd_calls(r, "sadd") == 3
+    assert len(jids) == len(set(jids)) == 2500
+    assert r.llen("queue:default") == 2500
+    jobs = _queue(r)
+    assert [j["args"] for j in jobs] == [[i] for i in range(2500)]  # FIFO kept across batches
+    assert [j["jid"] for j in jobs] == jids
+    assert all(set(j) == PUSHED_FIELDS for j in jobs)
+
+
+def test_enqueue_many_accepts_tuples_and_other_iterables(forkq_client, r):
+    jids = core_jobs.record.enqueue_many([(1, 2), [3], iter([4, 5])])
+    assert len(jids) == 3
+    assert [j["args"] for j in _queue(r)] == [[1, 2], [3], [4, 5]]
+
+
+def test_options_override_queue_and_retry_for_one_push(forkq_client, r):
+    jid = core_jobs.record.options(queue="low", retry=2).enqueue("x")
+    core_jobs.record.enqueue("y")
+
+    (low,) = _queue(r, "low")
+    assert (low["jid"], low["queue"], low["retry"]) == (jid, "low", 2)
+    (default,) = _queue(r, "default")
+    assert (default["queue"], default["retry"]) == ("default", True)
+    assert r.smembers("queues") == {b"low", b"default"}
+    assert core_jobs.record.queue == "default"  # the job's own options are unchanged
+
+
+def test_options_can_schedule_and_bulk_push(forkq_client, r):
+    low = core_jobs.record.options(queue="low")
+    low.enqueue_in(30, "s")
+    low.enqueue_many([[1], [2]])
+    ((scheduled, _),) = _schedule(r)
+    assert scheduled["queue"] == "low"
+    assert [j["args"] for j in _queue(r, "low")] == [[1], [2]]
+
+
+# -- arguments that JSON cannot carry -----------------------------------------------------
+
+
+class Thing:
+    def __repr__(self):
+        return "<Thing 42>"
+
+
+@pytest.mark.parametrize("bad, shown", [
+    ({1, 2}, "{1, 2}"),
+    (b"raw", "b'raw'"),
+    (Thing(), "<Thing 42>"),
+    ({"pair": (1, 2)}, "(1, 2)"),
+    ({5: "five"}, "key 5"),
+    (float("nan"), "nan"),
+    ([1, [float("inf")]], "inf"),
+], ids=["set", "bytes", "object", "tuple-in-dict", "int-key", "nan", "nested-inf"])
+def test_non_json_args_raise_typeerror_and_push_nothing(forkq_client, r, bad, shown):
+    for push in (
+        lambda: core_jobs.record.enqueue("fine", bad),
+        lambda: core_jobs.record.enqueue_in(5, bad),
+        lambda: core_jobs.record.enqueue_at(time.time() + 5, bad),
+        lambda: core_jobs.record.enqueue_many([["fine"], [bad], ["fine"]]),
+        lambda: forkq.default_client().push("Anything", ["fine", bad]),
+    ):
+        with pytest.raises(TypeError) as info:
+            push()
+        assert shown in str(info.value)
+    assert r.dbsize() == 0
+
+
+# -- client middleware --------------------------------------------------------------------
+
+
+def test_client_middleware_can_change_a_payload(redis_url, r):
+    seen = []
+
+    def tag(job):
+        seen.append(dict(job))
+        job["tenant"] = "acme"
+        job["args"] = job["args"] + ["added"]
+        return job
+
+    client = forkq.Client(redis_url, middleware=[tag])
+    jid = core_jobs.record.options(client=client).enqueue(1)
+
+    (job,) = _queue(r)
+    assert job["jid"] == jid
+    assert job["tenant"] == "acme"
+    assert job["args"] == [1, "added"]
+    assert seen and seen[0]["class"] == "core_jobs.record"
+
+
+def test_client_middleware_can_drop_a_payload(redis_url, r):
+    def drop_odd(job):
+        return None if job["args"][0] % 2 else job
+
+    client = forkq.Client(redis_url, middleware=[drop_odd])
+    enq = core_jobs.record.options(client=client)
+
+    assert enq.enqueue(1) is None
+    assert enq.enqueue_in(10, 3) is None
+    assert r.dbsize() == 0
+    jids = enq.enqueue_many([[i] for i in range(6)])
+    assert len(jids) == 3
+    assert [j["args"] for j in _queue(r)] == [[0], [2], [4]]
+    assert [j["jid"] for j in _queue(r)] == jids
+
+
+def test_configure_sets_the_default_clients_middleware(redis_url, r):
+    try:
+        forkq.configure(redis_url, middleware=[lambda job: {**job, "via": "configure"}])
+        core_jobs.record.enqueue(1)
+    finally:
+        forkq.client._default = None
+    (job,) = _queue(r)
+    assert job["via"] == "configure"
+
+
+# -- connections --------------------------------------------------------------------------
+
+
+def test_two_clients_push_to_two_servers(forkq_client, r, own_redis):
+    other = forkq.Client(own_redis.url)
+    here = core_jobs.record.enqueue("here")
+    there = core_jobs.record.options(client=other).enqueue("there")
+    low_level = other.push("RubyJob", [1], queue="ruby", retry=False)
+
+    assert [j["jid"] for j in _queue(r)] == [here]
+    theirs = own_redis.client()
+    try:
+        assert [j["jid"] for j in _queue(theirs)] == [there]
+        (ruby,) = _queue(theirs, "ruby")
+        assert (ruby["jid"], ruby["class"], ruby["retry"]) == (low_level, "RubyJob", False)
+        assert set(ruby) == PUSHED_FIELDS
+    finally:
+        theirs.close()
+    assert not r.exists("queue:ruby")
+
+
+def test_client_push_bulk_is_one_lpush(redis_url, r):
+    client = forkq.Client(redis_url)
+    r.config_resetstat()
+    jids = client.push_bulk("BulkJob", [[i] for i in range(100)], queue="bulk", retry=5)
+    assert _cmd_calls(r, "lpush") == 1
+    jobs = _queue(r, "bulk")
+    assert [j["jid"] for j in jobs] == jids
+    assert all(j["retry"] == 5 and j["class"] == "BulkJob" for j in jobs)
+
+
+def test_unreachable_redis_raises_redisunavailable_with_password_masked(r):
+    port = free_port()  # nothing listens here
+    client = forkq.Client(f"redis://worker:hunter2@127.0.0.1:{port}/0")
+    with pytest.raises(forkq.RedisUnavailable) as info:
+        core_jobs.record.options(client=client).enqueue(1)
+    message = str(info.value)
+    assert "hunter2" not in message
+    assert f"127.0.0.1:{port}" in message
+    assert "worker:***@" in message
+    assert isinstance(info.value, forkq.ForkqError)
+    assert r.dbsize() == 0
+
+    with pytest.raises(forkq.RedisUnavailable):
+        client.push_bulk("X", [[1], [2]])
+
+
+def test_redisunavailable_when_the_server_goes_away(own_redis):
+    client = forkq.Client(own_redis.url)
+    assert client.push("X", [1])
+    own_redis.stop()
+    with pytest.raises(forkq.RedisUnavailable, match="not pushed"):
+        client.push("X", [2])
+    own_redis.start()
+    assert client.push("X", [3])  # the same client works again once Redis is back
+    conn = own_redis.client()
+    try:
+        assert [j["args"] for j in _queue(conn)] == [[1], [3]]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("url", [
+    "http://:hunter2@127.0.0.1:6379/0",
+    "redis://:hunter2@127.0.0.1:notaport/0",
+])
+def test_bad_url_is_a_valueerror_with_password_masked(url):
+    with pytest.raises(ValueError, match="bad Redis URL") as info:
+        forkq.Client(url).push("X", [1])
+    assert "hunter2" not in str(info.value)
+
+
+class UnixSocketRedis(RedisServer):
+    """A RedisServer that also listens on a unix socket in its directory."""
+
+    @property
+    def socket_path(self):
+        return self.dir / "redis.sock"
+
+    def _command(self):
+        return super()._command() + ["--unixsocket", str(self.socket_path),
+                                     "--unixsocketperm", "700"]
+
+
+def test_unix_socket_url():
+    with UnixSocketRedis() as server:
+        client = forkq.Client(f"unix://{server.socket_path}?db=0")
+        jid = core_jobs.record.options(client=client).enqueue("via socket")
+        conn = server.client()
+        try:
+            (job,) = _queue(conn)
+        finally:
+            conn.close()
+        assert job["jid"] == jid and job["args"] == ["via socket"]
