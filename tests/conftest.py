@@ -29,12 +29,8 @@ def _require_redis_server():
 def redis_server():
     """One redis-server shared by the whole run (tests get it flushed via redis_url)."""
     _require_redis_server()
-    server = RedisServer()
-    server.start()
-    try:
+    with RedisServer() as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture
@@ -72,12 +68,8 @@ def own_redis():
     It does not touch FORKQ_REDIS_URL: use monkeypatch.setenv with own_redis.url.
     """
     _require_redis_server()
-    server = RedisServer()
-    server.start()
-    try:
+    with RedisServer() as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture(scope="session")

@@ -304,7 +304,11 @@ class RedisServer:
 
     def __enter__(self):
         if not self.running:
-            self.start()
+            try:
+                self.start()
+            except BaseException:
+                self.close()
+                raise
         return self
 
     def __exit__(self, *exc):
