@@ -146,6 +146,25 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def warn_about_redis(settings: Settings) -> None:
+    """Sidekiq's boot check: an evicting Redis silently loses jobs."""
+    from . import client
+    import redis
+    try:
+        policy = client.connect(settings.redis_url, socket_timeout=5).config_get("maxmemory-policy")
+    except redis.ResponseError:
+        return  # CONFIG is disabled on many managed servers; nothing to learn then
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        logs.get("forkq").warning("Redis unreachable at boot; workers will retry",
+                                  url=client.mask_url(client.redis_url(settings.redis_url)), error=str(exc))
+        return
+    value = policy.get(b"maxmemory-policy") or policy.get("maxmemory-policy")
+    if value not in (b"noeviction", "noeviction", None):
+        logs.get("forkq").warning(
+            "Redis maxmemory-policy is not noeviction: under memory pressure Redis will "
+            "delete keys, and with them jobs", policy=value.decode() if isinstance(value, bytes) else value)
+
+
 def start(settings: Settings) -> int:
     logs.configure(settings.log_level, settings.log_format)
     try:
@@ -155,6 +174,7 @@ def start(settings: Settings) -> int:
     except (ConfigError, ValueError) as exc:
         sys.stderr.write(f"forkq: {exc}\n")
         return 2
+    warn_about_redis(settings)
     if settings.no_fork:
         from .worker import run_standalone
         return run_standalone(settings)

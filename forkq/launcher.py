@@ -95,7 +95,29 @@ class Launcher:
                 pipe.incrby(keys.stat_day(name, day), delta)
                 pipe.expire(keys.stat_day(name, day), keys.STAT_DAY_TTL_S)
 
+    _last_cleanup = 0.0
+
+    def prune_processes(self) -> int:
+        """Drop `processes` members whose heartbeat expired, at most once a minute
+        cluster-wide (Sidekiq's rule), so dashboards don't list the dead."""
+        if not self.redis.set(keys.PROCESS_CLEANUP, 1, nx=True, ex=60):
+            return 0
+        members = list(self.redis.smembers(keys.PROCESSES))
+        if not members:
+            return 0
+        pipe = self.redis.pipeline(transaction=False)
+        for m in members:
+            pipe.exists(m)
+        gone = [m for m, alive in zip(members, pipe.execute()) if not alive]
+        if gone:
+            self.redis.srem(keys.PROCESSES, *gone)
+        return len(gone)
+
     def beat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_cleanup >= 60:
+            self._last_cleanup = now
+            self.prune_processes()
         started = time.perf_counter()
         self.redis.ping()
         rtt_us = int((time.perf_counter() - started) * 1_000_000)
