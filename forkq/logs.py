@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 import structlog
@@ -14,39 +16,61 @@ LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNI
 _level = logging.INFO
 
 
-def _add_process(slot: int | None) -> Any:
-    pid = os.getpid()
+_slot: int | None = None
 
-    def add(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
-        event["pid"] = pid
-        if slot is not None:
-            event["slot"] = slot
-        return event
-    return add
+
+def _add_process(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+    # read at call time, so a logger cached in the master is right in a forked child
+    event["pid"] = os.getpid()
+    if _slot is not None:
+        event["slot"] = _slot
+    return event
+
+
+_stamp_cache: list[Any] = [0, ""]
+
+
+def _timestamp(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+    """ISO-8601 UTC with microseconds; the date part is formatted once per second."""
+    now = time.time()
+    sec = int(now)
+    if sec != _stamp_cache[0]:
+        _stamp_cache[0], _stamp_cache[1] = sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec))
+    event["timestamp"] = f"{_stamp_cache[1]}.{int((now - sec) * 1_000_000):06d}Z"
+    return event
+
+
+_json_encode = json.JSONEncoder(separators=(", ", ": "), ensure_ascii=False, default=repr).encode
+
+
+def _render_json(_logger: Any, _name: str, event: dict[str, Any]) -> str:
+    # one encoder built once: json.dumps with options builds a new one per call
+    return _json_encode(event)
 
 
 def configure(level: str = "info", fmt: str | None = None, slot: int | None = None,
               stream: Any = None) -> None:
     """(Re)configure logging for this process; call again in a child after fork."""
-    global _level
+    global _level, _slot
     _level = LEVELS[level]
+    _slot = slot
     stream = stream or sys.stdout
     if fmt is None:
         fmt = "text" if stream.isatty() else "json"
-    renderer: Any = (structlog.processors.JSONRenderer() if fmt == "json"
+    renderer: Any = (_render_json if fmt == "json"
                      else structlog.dev.ConsoleRenderer(colors=stream.isatty()))
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            _add_process(slot),
+            _timestamp,
+            _add_process,
             structlog.processors.format_exc_info,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_level),
         # one write per line, under a lock: threads' lines never interleave
         logger_factory=structlog.WriteLoggerFactory(stream),
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=True,
     )
 
 
