@@ -150,14 +150,17 @@ def warn_about_redis(settings: Settings) -> None:
     """Sidekiq's boot check: an evicting Redis silently loses jobs."""
     from . import client
     import redis
+    conn = client.connect(settings.redis_url, socket_timeout=5)
     try:
-        policy = client.connect(settings.redis_url, socket_timeout=5).config_get("maxmemory-policy")
+        policy = conn.config_get("maxmemory-policy")
     except redis.ResponseError:
         return  # CONFIG is disabled on many managed servers; nothing to learn then
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         logs.get("forkq").warning("Redis unreachable at boot; workers will retry",
                                   url=client.mask_url(client.redis_url(settings.redis_url)), error=str(exc))
         return
+    finally:
+        conn.close()  # the master forks next: no socket of its own may cross into a child
     value = policy.get(b"maxmemory-policy") or policy.get("maxmemory-policy")
     if value not in (b"noeviction", "noeviction", None):
         logs.get("forkq").warning(
