@@ -57,7 +57,10 @@ def record_failure(job: dict[str, Any], exc: BaseException, now: float) -> None:
         lines = traceback.format_exception(exc)
         lines = [ln.rstrip("\n") for chunk in lines for ln in chunk.splitlines()]
         if type(keep) is int and keep is not True:
-            lines = lines[:keep]
+            # Ruby backtraces start at the raise, so Sidekiq's "first N lines" are the ones
+            # nearest the error; in Python's order those are the last N (the first are the
+            # "Traceback" header and forkq's own frames).
+            lines = lines[-keep:]
         job["error_backtrace"] = payload.encode_backtrace(lines)
 
 
