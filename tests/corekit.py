@@ -1,7 +1,8 @@
 """Support for the core worker tests (test_client, test_retry, test_worker, ...).
 
     CORE_JOBS            path of tests/apps/core_jobs.py (the worker's --require)
-    core_jobs            that module, imported under the same name the worker uses
+    core_jobs            that module, imported as tests.apps.core_jobs, the name the
+                         worker gives it (so job names match on both sides)
     workers              fixture: start(...) real `forkq start --no-fork` subprocesses,
                          each SIGKILLed at teardown if still alive
     records(r, kind)     what the jobs wrote to core:ran
@@ -12,6 +13,7 @@ Import the fixtures into a test module with `from corekit import workers, forkq_
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -25,12 +27,15 @@ import forkq
 import forkq.client
 from helpers import ForkqWorker, wait_until
 
-APPS = Path(__file__).resolve().parent / "apps"
-CORE_JOBS = APPS / "core_jobs.py"
-if str(APPS) not in sys.path:
-    sys.path.insert(0, str(APPS))
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CORE_JOBS = REPO_ROOT / "tests" / "apps" / "core_jobs.py"
+# The worker runs from the repo root and imports --require tests/apps/core_jobs.py under
+# its dotted name, tests.apps.core_jobs; import it under the same name here, so the
+# default job names (tests.apps.core_jobs.record, ...) agree on both sides.
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
 
-import core_jobs  # noqa: E402  (after the sys.path change, as the worker imports it)
+core_jobs = importlib.import_module("tests.apps.core_jobs")
 
 RAN = core_jobs.RAN
 SEEN = core_jobs.SEEN

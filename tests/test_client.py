@@ -41,10 +41,10 @@ def _cmd_calls(r, command):
 def test_bare_decorator_defaults():
     job = core_jobs.record
     assert isinstance(job, forkq.Job)
-    assert job.name == "core_jobs.record"  # module.function
+    assert job.name == "tests.apps.core_jobs.record"  # module.function
     assert job.queue == "default"
     assert job.retry is True
-    assert forkq.jobs.lookup("core_jobs.record") is job
+    assert forkq.jobs.lookup("tests.apps.core_jobs.record") is job
 
 
 def test_decorator_with_options(forkq_client, r):
@@ -66,10 +66,10 @@ def test_decorator_options_become_payload_fields(forkq_client, r):
     core_jobs.fail_no_dead.enqueue("t")
     core_jobs.fail_backtrace3.enqueue("t")
     by_class = {j["class"]: j for j in _queue(r)}
-    assert by_class["core_jobs.fail_retry_queue"]["retry_queue"] == "retries"
-    assert by_class["core_jobs.fail_no_dead"]["dead"] is False
-    assert by_class["core_jobs.fail_no_dead"]["retry"] == 0
-    assert by_class["core_jobs.fail_backtrace3"]["backtrace"] == 3
+    assert by_class["tests.apps.core_jobs.fail_retry_queue"]["retry_queue"] == "retries"
+    assert by_class["tests.apps.core_jobs.fail_no_dead"]["dead"] is False
+    assert by_class["tests.apps.core_jobs.fail_no_dead"]["retry"] == 0
+    assert by_class["tests.apps.core_jobs.fail_backtrace3"]["backtrace"] == 3
 
 
 def test_negative_retry_is_refused():
@@ -96,7 +96,7 @@ def test_enqueue_writes_exactly_sidekiqs_fields(forkq_client, r):
     job = json.loads(raw)
     assert set(job) == PUSHED_FIELDS
     assert job["jid"] == jid
-    assert job["class"] == "core_jobs.record"
+    assert job["class"] == "tests.apps.core_jobs.record"
     assert job["args"] == [1, "two", {"three": [3]}, None]
     assert job["queue"] == "default"
     assert job["retry"] is True
@@ -249,7 +249,7 @@ def test_client_middleware_can_change_a_payload(redis_url, r):
     assert job["jid"] == jid
     assert job["tenant"] == "acme"
     assert job["args"] == [1, "added"]
-    assert seen and seen[0]["class"] == "core_jobs.record"
+    assert seen and seen[0]["class"] == "tests.apps.core_jobs.record"
 
 
 def test_client_middleware_can_drop_a_payload(redis_url, r):

@@ -1,8 +1,8 @@
 """Jobs for the core worker tests, loaded by `forkq start --no-fork --require tests/apps/core_jobs.py`.
 
-The tests import this file as the top-level module `core_jobs` (tests/corekit.py puts
-tests/apps on sys.path), exactly as the worker's --require does, so the default job
-names (`core_jobs.record`, ...) are the same on both sides.
+The worker (run from the repo root) imports this file under its dotted name
+`tests.apps.core_jobs`, and tests/corekit.py imports it under that same name, so the
+default job names (`tests.apps.core_jobs.record`, ...) are the same on both sides.
 
 Every job writes what it did to Redis, so a test can poll for it:
 

@@ -1,0 +1,243 @@
+"""What a real worker does with failing jobs: retry set, dead set, hooks, malformed payloads.
+
+Each test starts `forkq start --no-fork --require tests/apps/core_jobs.py` on the shared
+redis-server (flushed first) and pushes jobs with forkq's client or raw LPUSH.
+"""
+
+import re
+import time
+
+import pytest
+
+import forkq
+from corekit import (core_jobs, forkq_client, queued, records, seen, wait_records,  # noqa: F401
+                     wait_zset, workers, zset)
+from forkq.payload import decode_backtrace
+from helpers import wait_until
+
+JID = re.compile(r"\A[0-9a-f]{24}\Z")
+
+
+@pytest.mark.timeout(30)
+def test_first_failure_goes_to_retry_with_sidekiqs_fields(workers, forkq_client, r):
+    worker = workers()
+    before = time.time()
+    jid = core_jobs.fail.options(tenant={"id": 7}, wrapped="Shown").enqueue("a")
+
+    ((job, score),) = wait_zset(r, "retry", 1, worker)
+    after = time.time()
+    assert job["jid"] == jid
+    assert job["retry_count"] == 0
+    assert job["error_class"] == "ValueError"
+    assert job["error_message"] == "boom a"
+    assert before <= job["failed_at"] <= after
+    assert "retried_at" not in job
+    assert "error_backtrace" not in job  # not asked for
+    # unknown fields and everything the client wrote are kept untouched
+    assert job["tenant"] == {"id": 7} and job["wrapped"] == "Shown"
+    assert job["args"] == ["a"] and job["queue"] == "default" and job["retry"] is True
+    assert isinstance(job["created_at"], float) and isinstance(job["enqueued_at"], float)
+    # Sidekiq's first delay: 0**4 + 15 + rand(10) * 1, i.e. 15..24 s
+    assert job["failed_at"] + 15 <= score <= job["failed_at"] + 25
+    assert not r.exists("queue:default") and not r.exists("dead")
+
+
+@pytest.mark.timeout(30)
+def test_second_failure_increments_retry_count_and_sets_retried_at(workers, forkq_client, r):
+    worker = workers(poll_interval=1)
+    core_jobs.fail.enqueue("b")
+    ((first, _),) = wait_zset(r, "retry", 1, worker)
+
+    # make the retry due now; the worker's poller moves it back and it fails again
+    (member,) = r.zrange("retry", 0, -1)
+    assert r.zadd("retry", {member: time.time() - 1}, xx=True, ch=True) == 1
+
+    def second_failure():
+        worker.assert_alive()
+        entries = zset(r, "retry")
+        return entries if entries and entries[0][0].get("retry_count") == 1 else None
+
+    ((second, score),) = wait_until(second_failure, timeout=10, message="retry_count 1 in retry")
+    assert second["jid"] == first["jid"]
+    assert second["failed_at"] == first["failed_at"]  # the first failure's time stays
+    assert second["retried_at"] > first["failed_at"]
+    assert second["error_message"] == "boom b"
+    # retry number 1: 1**4 + 15 + rand(10) * 2 -> 16..34 s
+    assert second["retried_at"] + 16 <= score <= second["retried_at"] + 35
+    assert second["enqueued_at"] > first["enqueued_at"]  # moving to the queue re-stamps it
+    assert len(records(r, "fail")) == 2
+
+
+@pytest.mark.timeout(30)
+def test_retry_false_drops_the_job(workers, forkq_client, r):
+    worker = workers()
+    core_jobs.fail_no_retry.enqueue("x")
+    core_jobs.record.enqueue("after")  # with one processor, it runs after the failure
+    wait_records(r, 1, worker, kind="record")
+    assert len(records(r, "fail")) == 1
+    assert r.zcard("retry") == 0 and r.zcard("dead") == 0
+    assert not r.exists("queue:default")
+
+
+@pytest.mark.timeout(30)
+def test_retry_zero_goes_to_dead_and_calls_the_exhausted_hook(workers, forkq_client, r):
+    worker = workers()
+    before = time.time()
+    jid = core_jobs.fail_exhausted.enqueue("z")
+
+    ((job, score),) = wait_zset(r, "dead", 1, worker)
+    assert job["jid"] == jid
+    assert job["retry_count"] == 0 and job["error_message"] == "exhausted z"
+    assert before <= score <= time.time()
+    (hook,) = wait_records(r, 1, worker, kind="exhausted")
+    assert hook["args"] == [jid, 0, "ValueError"]
+    assert r.zcard("retry") == 0
+
+
+@pytest.mark.timeout(30)
+def test_retries_exhausted_after_the_last_retry(workers, forkq_client, r):
+    worker = workers(poll_interval=1)
+    jid = core_jobs.fail_twice.enqueue("t")  # retry=1 and a retry_in hook of 0 s
+
+    ((job, _),) = wait_zset(r, "dead", 1, worker, timeout=10)
+    assert job["jid"] == jid
+    assert job["retry_count"] == 1 and "retried_at" in job
+    assert len(records(r, "fail")) == 2
+    (hook,) = wait_records(r, 1, worker, kind="exhausted")
+    assert hook["args"] == [jid, 1, "ValueError"]
+    assert r.zcard("retry") == 0
+
+
+@pytest.mark.timeout(30)
+def test_dead_false_drops_instead_of_killing(workers, forkq_client, r):
+    worker = workers(concurrency=1)
+    core_jobs.fail_no_dead.enqueue("n")
+    core_jobs.record.enqueue("after")
+    wait_records(r, 1, worker, kind="record")
+    assert len(records(r, "exhausted")) == 1  # the hook still runs
+    assert r.zcard("dead") == 0 and r.zcard("retry") == 0
+
+
+@pytest.mark.timeout(30)
+def test_retry_in_hook_decides(workers, forkq_client, r):
+    worker = workers(concurrency=1)
+    seconds = core_jobs.fail_hooked.enqueue("seconds")
+    discard = core_jobs.fail_hooked.enqueue("discard")
+    kill = core_jobs.fail_hooked.enqueue("kill")
+    fallback = core_jobs.fail_hooked.enqueue("none")  # None: Sidekiq's own backoff
+    core_jobs.record.enqueue("after")
+    started = time.time()
+    wait_records(r, 1, worker, kind="record")
+
+    assert [rec["args"] for rec in records(r, "retry_in")] == [
+        [0, "seconds"], [0, "discard"], [0, "kill"], [0, "none"]]
+    retry = {job["jid"]: (job, score) for job, score in zset(r, "retry")}
+    dead = {job["jid"]: job for job, _ in zset(r, "dead")}
+    assert set(retry) == {seconds, fallback}
+    assert set(dead) == {kill}
+    assert discard not in retry and discard not in dead
+    job, score = retry[seconds]
+    assert score == pytest.approx(job["failed_at"] + 1000, abs=0.01)
+    job, score = retry[fallback]
+    assert job["failed_at"] + 15 <= score <= job["failed_at"] + 25
+    assert dead[kill]["retry_count"] == 0 and dead[kill]["error_class"].endswith("HookedError")
+    assert time.time() - started < 10
+
+
+@pytest.mark.timeout(30)
+def test_backtrace_option_stores_a_decodable_error_backtrace(workers, forkq_client, r):
+    worker = workers()
+    full = core_jobs.fail_backtrace.enqueue("all")
+    three = core_jobs.fail_backtrace3.enqueue("three")
+    entries = {job["jid"]: job for job, _ in wait_zset(r, "retry", 2, worker)}
+
+    lines = decode_backtrace(entries[full]["error_backtrace"])
+    assert all(isinstance(line, str) for line in lines)
+    text = "\n".join(lines)
+    assert "_deep_raise" in text and "fail_backtrace" in text
+    assert "KeyError: 'deep all'" in text
+
+    short = decode_backtrace(entries[three]["error_backtrace"])
+    assert len(short) == 3
+    # the lines kept are the ones nearest the error, as Sidekiq's first N Ruby lines are
+    assert "_deep_raise" in "\n".join(short)
+    assert short[-1] == "KeyError: 'deep three'"
+
+
+@pytest.mark.timeout(30)
+def test_retry_queue_is_used_for_the_retry(workers, forkq_client, r):
+    worker = workers(queues=["default", "retries"], poll_interval=1)
+    jid = core_jobs.fail_retry_queue.enqueue("q")
+    ((job, _),) = wait_zset(r, "retry", 1, worker)
+    assert job["queue"] == "retries" and job["retry_queue"] == "retries"
+
+    (member,) = r.zrange("retry", 0, -1)
+    assert r.zadd("retry", {member: time.time() - 1}, xx=True, ch=True) == 1
+    wait_records(r, 2, worker, kind="fail")
+    payloads = [p for p in seen(r) if p["jid"] == jid]
+    assert [p["queue"] for p in payloads] == ["default", "retries"]
+
+
+@pytest.mark.timeout(30)
+def test_stat_failed_counts_failures(workers, forkq_client, r):
+    worker = workers()
+    for i in range(3):
+        core_jobs.fail.enqueue(i)
+    core_jobs.record.enqueue("ok")
+    wait_zset(r, "retry", 3, worker)
+    wait_records(r, 1, worker, kind="record")
+    assert worker.stop(timeout=15) == 0
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    assert int(r.get("stat:failed")) == 3
+    assert int(r.get(f"stat:failed:{day}")) == 3
+    assert int(r.get("stat:processed")) == 4  # processed counts failed executions too
+
+
+# -- payloads that are not runnable jobs ---------------------------------------------------
+
+MALFORMED = [
+    (b"this is not json", "not JSON"),
+    (b'["an", "array"]', "JSON list, not an object"),
+    (b'{"args": [1], "jid": "aaaaaaaaaaaaaaaaaaaaaaaa"}', "no 'class' string"),
+    (b'{"class": "tests.apps.core_jobs.record", "args": "not a list"}', "'args' is missing or not a list"),
+    (b'{"class": "tests.apps.core_jobs.record", "args": ["\xff\xfe bad utf-8"]}', "not valid UTF-8"),
+]
+
+
+@pytest.mark.timeout(30)
+def test_malformed_payloads_go_to_dead_and_the_worker_keeps_going(workers, forkq_client, r):
+    for raw, _ in MALFORMED:
+        r.lpush("queue:default", raw)
+    core_jobs.record.enqueue("still works")
+    worker = workers(concurrency=1)  # one processor: the good job runs after all of them
+
+    wait_records(r, 1, worker, kind="record")
+    dead = zset(r, "dead")
+    assert len(dead) == len(MALFORMED)
+    by_reason = {}
+    for entry, _ in dead:
+        assert entry["error_class"] == "forkq.MalformedPayload"
+        assert entry["queue"] == "default"
+        assert JID.match(entry["jid"])
+        by_reason[entry["error_message"]] = entry
+    for raw, reason in MALFORMED:
+        (entry,) = [e for message, e in by_reason.items() if reason in message]
+        # the original bytes are kept, readable when they are text
+        if "utf-8" in reason.lower():
+            assert "forkq_original_base64" in entry
+        else:
+            assert entry["forkq_original"] == raw.decode()
+    worker.assert_alive()
+    assert not r.exists("queue:default")
+
+
+@pytest.mark.timeout(30)
+def test_unknown_class_goes_to_retry_not_dead(workers, forkq_client, r):
+    worker = workers()
+    jid = forkq.default_client().push("NoSuchJob", [1, 2])
+    ((job, _),) = wait_zset(r, "retry", 1, worker)
+    assert job["jid"] == jid
+    assert job["error_class"] == "forkq.errors.UnknownJob"
+    assert "NoSuchJob" in job["error_message"]
+    assert job["retry_count"] == 0
+    assert r.zcard("dead") == 0
