@@ -16,8 +16,10 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,7 +81,7 @@ class CoreWorker(ForkqWorker):
 
 
 @pytest.fixture
-def workers(redis_url, redis_server, tmp_path):
+def workers(redis_url, redis_server):
     """start(queues=..., concurrency=..., timeout=..., poll_interval=..., url=..., ready=True).
 
     Starts a worker on `url` (default: the shared server, already flushed) running
@@ -87,6 +89,9 @@ def workers(redis_url, redis_server, tmp_path):
     Every worker still alive at teardown is SIGKILLed.
     """
     started: list[CoreWorker] = []
+    # Not tmp_path: pytest prunes old basetemp dirs, which races with other pytest runs
+    # on the machine; a directory of our own lives exactly as long as the test.
+    logs = Path(tempfile.mkdtemp(prefix="forkq-core-"))
 
     def start(queues=("default",), concurrency=2, timeout=5, poll_interval=None, url=None,
               extra_args=(), ready=True):
@@ -96,7 +101,7 @@ def workers(redis_url, redis_server, tmp_path):
             args += ["--poll-interval", str(poll_interval)]
         worker = CoreWorker(url, CORE_JOBS, queues=list(queues), concurrency=concurrency,
                             extra_args=args + list(extra_args),
-                            log_path=tmp_path / f"worker-{len(started)}.log")
+                            log_path=logs / f"worker-{len(started)}.log")
         started.append(worker)
         worker.start()
         if ready:
@@ -107,9 +112,15 @@ def workers(redis_url, redis_server, tmp_path):
                 client.close()
         return worker
 
-    yield start
-    for worker in started:
-        worker.kill()
+    try:
+        yield start
+    finally:
+        for worker in started:
+            worker.kill()
+        if os.environ.get("FORKQ_KEEP_LOGS"):
+            print(f"worker logs kept in {logs}")
+        else:
+            shutil.rmtree(logs, ignore_errors=True)
 
 
 @pytest.fixture

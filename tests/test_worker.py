@@ -1,0 +1,339 @@
+"""A real `forkq start --no-fork` worker: running jobs, queue order, stopping, Redis trouble,
+heartbeat and stats.
+
+Workers are subprocesses running tests/apps/core_jobs.py (see tests/corekit.py); they
+are SIGKILLed at teardown if a test leaves one running.
+"""
+
+import json
+import re
+import signal
+import socket
+import time
+from collections import Counter
+from datetime import datetime, timezone
+
+import pytest
+
+import forkq
+from corekit import core_jobs, forkq_client, queued, records, wait_records, workers  # noqa: F401
+from helpers import wait_until
+
+IDENTITY = re.compile(r"\A[^:]+:\d+:[0-9a-f]{12}\Z")
+
+
+def _ids(recs):
+    return [rec["args"][0] for rec in recs]
+
+
+def _forkq_keys(r):
+    return sorted(k.decode() for k in r.keys("forkq:*"))
+
+
+# -- running jobs -------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_runs_queued_jobs_once_each_and_acks_them(workers, forkq_client, r):
+    core_jobs.record.enqueue_many([[i] for i in range(50)])
+    worker = workers(concurrency=4)
+    done = wait_records(r, 50, worker, kind="record")
+    assert sorted(_ids(done)) == list(range(50))
+
+    # a job pushed while the worker idles (blocked in Redis) starts promptly too
+    pushed = time.time()
+    core_jobs.record.enqueue("late")
+    (late,) = wait_records(r, 51, worker, kind="record", timeout=5)[50:]
+    assert late["args"] == ["late"] and late["t"] - pushed < 1.0
+
+    assert not r.exists("queue:default")
+    wait_until(lambda: r.hlen(f"forkq:inflight:{worker.identity}") == 0, timeout=5,
+               message="in-flight hash emptied by the acks")
+    assert r.zcard("retry") == 0 and r.zcard("dead") == 0
+
+
+@pytest.mark.timeout(30)
+def test_strict_queue_order_runs_all_of_a_before_b(workers, forkq_client, r):
+    core_jobs.record.options(queue="b").enqueue_many([["b", i] for i in range(20)])
+    core_jobs.record.options(queue="a").enqueue_many([["a", i] for i in range(20)])
+    worker = workers(queues=["a", "b"], concurrency=1)
+    done = wait_records(r, 40, worker, kind="record")
+    assert [rec["args"] for rec in done] == (
+        [["a", i] for i in range(20)] + [["b", i] for i in range(20)])
+
+
+@pytest.mark.timeout(30)
+def test_weighted_queues_favour_the_heavier_queue(workers, forkq_client, r):
+    core_jobs.record.options(queue="a").enqueue_many([["a", i] for i in range(100)])
+    core_jobs.record.options(queue="b").enqueue_many([["b", i] for i in range(100)])
+    worker = workers(queues=["a,3", "b,1"], concurrency=1)
+    done = wait_records(r, 200, worker, kind="record")
+    first = Counter(rec["args"][0] for rec in done[:60])
+    # each pick leads with a 3 times in 4: expect ~45 a of 60. The bounds below fail by
+    # chance with probability ~1e-6 (a <= 30) and ~1e-8 (no b at all).
+    assert first["a"] > 30, first
+    assert first["b"] >= 1, first
+    # within a queue, FIFO still holds
+    assert [rec["args"][1] for rec in done if rec["args"][0] == "a"] == list(range(100))
+
+
+@pytest.mark.timeout(30)
+def test_equal_weights_interleave_queues(workers, forkq_client, r):
+    core_jobs.record.options(queue="a").enqueue_many([["a", i] for i in range(40)])
+    core_jobs.record.options(queue="b").enqueue_many([["b", i] for i in range(40)])
+    worker = workers(queues=["a,1", "b,1"], concurrency=1)
+    done = wait_records(r, 80, worker, kind="record")
+    first = Counter(rec["args"][0] for rec in done[:40])
+    assert first["a"] >= 1 and first["b"] >= 1, first  # strict order would give 40 a
+
+
+# -- stopping -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_long_job_at_stop_goes_back_first_in_line(workers, forkq_client, r, signum):
+    worker = workers(concurrency=1, timeout=1)
+    core_jobs.sleepy.enqueue(30, "long")
+    wait_records(r, 1, worker, kind="start")
+    core_jobs.record.enqueue("behind")  # waits behind the long job (one processor)
+    (raw,) = r.hvals(f"forkq:inflight:{worker.identity}")
+    original = raw.split(b"\n", 1)[1]
+
+    sent = time.monotonic()
+    worker.signal(signum)
+    assert worker.wait_exit(timeout=10) == 0
+    assert time.monotonic() - sent < 5
+
+    # the interrupted job is back, byte for byte, at the right end: the next to run
+    assert r.lindex("queue:default", -1) == original
+    assert [j["args"] for j in queued(r)] == [[30, "long"], ["behind"]]
+    assert not records(r, "end")
+    assert _forkq_keys(r) == []
+    assert worker.identity.encode() not in r.smembers("processes")
+    assert not r.exists(f"{worker.identity}:workers") and not r.exists(f"{worker.identity}:work")
+    assert r.zcard("retry") == 0 and r.zcard("dead") == 0  # a stop is not a failure
+
+
+@pytest.mark.timeout(30)
+def test_short_job_at_stop_finishes_and_is_not_requeued(workers, forkq_client, r):
+    worker = workers(concurrency=2, timeout=10)
+    core_jobs.sleepy.enqueue(1, "short")
+    wait_records(r, 1, worker, kind="start")
+    worker.signal(signal.SIGTERM)
+    assert worker.wait_exit(timeout=10) == 0
+
+    assert [rec["args"] for rec in records(r, "end")] == [["short"]]
+    assert not r.exists("queue:default")
+    assert _forkq_keys(r) == []
+    assert worker.identity.encode() not in r.smembers("processes")
+    assert int(r.get("stat:processed")) == 1
+
+
+@pytest.mark.timeout(30)
+def test_sigtstp_quiets_the_worker_while_the_running_job_finishes(workers, forkq_client, r):
+    worker = workers(concurrency=1, timeout=5)
+    core_jobs.sleepy.enqueue(1.5, "running")
+    wait_records(r, 1, worker, kind="start")
+    core_jobs.record.enqueue("must wait")
+    worker.signal(signal.SIGTSTP)
+
+    wait_until(lambda: r.hget(worker.identity, "quiet") == b"true", timeout=3,
+               message="heartbeat quiet=true")
+    wait_records(r, 1, worker, kind="end", timeout=5)
+    # Proving a job does NOT start needs a window of time: give it a generous one.
+    time.sleep(1.0)
+    worker.assert_alive()
+    assert not records(r, "record")
+    assert [j["args"] for j in queued(r)] == [["must wait"]]
+
+    worker.signal(signal.SIGTERM)
+    assert worker.wait_exit(timeout=10) == 0
+    assert [j["args"] for j in queued(r)] == [["must wait"]]
+    assert _forkq_keys(r) == []
+
+
+@pytest.mark.timeout(30)
+def test_sigkill_leaves_the_running_job_in_the_private_inflight_hash(workers, forkq_client, r):
+    worker = workers(concurrency=1)
+    jid = core_jobs.sleepy.enqueue(30, "doomed")
+    wait_records(r, 1, worker, kind="start")
+    worker.signal(signal.SIGKILL)
+    worker.wait_exit(timeout=5)
+
+    (identity,) = [k.decode() for k in r.hkeys("forkq:owners")]
+    assert identity == worker.identity
+    assert json.loads(r.hget("forkq:owners", identity))["queues"] == ["default"]
+    (entry,) = r.hvals(f"forkq:inflight:{identity}")
+    queue, raw = entry.split(b"\n", 1)
+    assert queue == b"default"
+    assert json.loads(raw)["jid"] == jid
+    assert not r.exists("queue:default")  # not in the queue: only the private hash has it
+
+
+# -- Redis trouble ------------------------------------------------------------------------
+
+
+def _run_through(own_redis, workers, redis_url, r, monkeypatch, disrupt, n=200):
+    """Push n short jobs to own_redis, disrupt it while they run, and check none is lost."""
+    monkeypatch.setenv("CORE_RECORD_URL", redis_url)  # records survive the disruption
+    worker = workers(url=own_redis.url, concurrency=4, timeout=5)
+    client = forkq.Client(own_redis.url)
+    # 200 jobs of 30 ms on 4 threads: ~1.5 s of work, so the disruption lands mid-run
+    core_jobs.sleepy.options(client=client).enqueue_many([[0.03, i] for i in range(n)])
+    wait_records(r, 20, worker, kind="end")
+    disrupt()
+    assert len(records(r, "end")) < n, "the jobs all ended before the disruption was over"
+    ended = wait_records(r, n, worker, kind="end", timeout=30)
+    ids = Counter(rec["args"][0] for rec in ended)
+    assert set(ids) == set(range(n)), f"lost: {sorted(set(range(n)) - set(ids))}"
+    worker.assert_alive()
+    conn = own_redis.client()
+    try:
+        assert conn.llen("queue:default") == 0
+        assert conn.zcard("retry") == 0 and conn.zcard("dead") == 0
+        # the worker's heartbeat is back on the restarted server
+        wait_until(lambda: worker.identity.encode() in conn.smembers("processes"), timeout=10,
+                   message="heartbeat back in processes")
+    finally:
+        conn.close()
+    return ids, worker
+
+
+@pytest.mark.timeout(90)
+def test_worker_survives_a_redis_restart_without_losing_jobs(own_redis, workers, redis_url, r,
+                                                            monkeypatch):
+    ids, worker = _run_through(own_redis, workers, redis_url, r, monkeypatch, own_redis.restart)
+    # at-least-once: a job whose ack was lost may run twice, never zero times
+    assert all(count >= 1 for count in ids.values())
+    assert worker.stop(timeout=15) == 0
+
+
+@pytest.mark.timeout(60)
+def test_worker_started_while_redis_is_down_begins_once_it_is_up(own_redis, workers, redis_url,
+                                                                 r, monkeypatch):
+    monkeypatch.setenv("CORE_RECORD_URL", redis_url)
+    own_redis.stop()
+    worker = workers(url=own_redis.url, ready=False)
+    # its own log is the only sign that it has tried and failed to reach Redis
+    wait_until(lambda: worker.assert_alive() or "unreachable" in worker.log_path.read_text(),
+               timeout=10, message="the worker noticing Redis is down")
+    own_redis.start()
+    conn = own_redis.client()
+    try:
+        worker.wait_ready(conn, timeout=15)
+    finally:
+        conn.close()
+    core_jobs.record.options(client=forkq.Client(own_redis.url)).enqueue("after boot")
+    wait_records(r, 1, worker, kind="record")
+
+
+@pytest.mark.timeout(90)
+def test_worker_rides_through_a_paused_redis(own_redis, workers, redis_url, r, monkeypatch):
+    def pause():
+        own_redis.pause()
+        try:
+            time.sleep(3)  # the outage being simulated, not a synchronisation
+        finally:
+            own_redis.resume()
+
+    ids, worker = _run_through(own_redis, workers, redis_url, r, monkeypatch, pause)
+    assert all(count == 1 for count in ids.values()), "a pause loses nothing: exactly once"
+    assert worker.stop(timeout=15) == 0
+
+
+# -- heartbeat, remote signals, stats -----------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_heartbeat_in_sidekiqs_format(workers, r):
+    worker = workers(queues=["critical", "default"], concurrency=3)
+    identity = worker.identity
+    assert IDENTITY.match(identity)
+    assert identity.split(":")[:2] == [socket.gethostname(), str(worker.proc.pid)]
+
+    beat = {k.decode(): v.decode() for k, v in r.hgetall(identity).items()}
+    assert {"info", "busy", "beat", "quiet", "rtt_us", "rss"} <= set(beat)
+    info = json.loads(beat["info"])
+    assert info["hostname"] == socket.gethostname()
+    assert info["pid"] == worker.proc.pid
+    assert info["concurrency"] == 3
+    assert info["queues"] == ["critical", "default"]
+    assert info["identity"] == identity
+    assert isinstance(info["started_at"], float)
+    assert beat["busy"] == "0"
+    assert beat["quiet"] == "false"
+    assert abs(float(beat["beat"]) - time.time()) < 10
+    assert int(beat["rtt_us"]) >= 0
+    assert int(beat["rss"]) > 1000  # KB: a Python process is well over a megabyte
+    assert 0 < r.ttl(identity) <= 60
+
+
+@pytest.mark.timeout(40)
+def test_remote_signals_quiet_then_stop_the_worker(workers, forkq_client, r):
+    """TSTP then TERM through IDENTITY-signals, as Sidekiq's Web UI sends them.
+
+    The heartbeat (every 5 s; the CLI has no flag to shorten it) pops one signal per beat.
+    """
+    worker = workers(concurrency=1, timeout=1)
+    core_jobs.sleepy.enqueue(30, "held")
+    wait_records(r, 1, worker, kind="start")
+    signals = f"{worker.identity}-signals"
+
+    r.lpush(signals, "TSTP")
+    r.expire(signals, 60)
+    wait_until(lambda: r.hget(worker.identity, "quiet") == b"true", timeout=7,
+               message="quiet=true after a remote TSTP")
+    assert r.hget(worker.identity, "busy") == b"1"
+    (running,) = r.hvals(f"{worker.identity}:workers")
+    running = json.loads(running)
+    assert running["queue"] == "default"
+    assert json.loads(running["payload"])["args"] == [30, "held"]
+    assert isinstance(running["run_at"], int) and abs(running["run_at"] - time.time()) < 40
+    worker.assert_alive()
+
+    r.lpush(signals, "TERM")
+    r.expire(signals, 60)
+    assert worker.wait_exit(timeout=12) == 0
+    assert [j["args"] for j in queued(r)] == [[30, "held"]]
+    assert worker.identity.encode() not in r.smembers("processes")
+
+
+@pytest.mark.xfail(reason="forkq start has no --heartbeat-interval flag (Settings has "
+                          "heartbeat_interval, fixed at 5 s)", strict=True)
+@pytest.mark.timeout(20)
+def test_heartbeat_interval_flag_makes_remote_quiet_fast(workers, r):
+    worker = workers(extra_args=["--heartbeat-interval", "0.2"])
+    r.lpush(f"{worker.identity}-signals", "TSTP")
+    wait_until(lambda: r.hget(worker.identity, "quiet") == b"true", timeout=1,
+               message="quiet=true within a 0.2 s heartbeat")
+
+
+@pytest.mark.timeout(30)
+def test_stats_count_every_execution(workers, forkq_client, r):
+    worker = workers(concurrency=3)
+    core_jobs.record.enqueue_many([[i] for i in range(25)])
+    core_jobs.fail.enqueue("x")
+    wait_records(r, 25, worker, kind="record")
+    wait_until(lambda: r.zcard("retry") == 1, message="the failure in retry")
+    assert worker.stop(timeout=15) == 0
+
+    day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    assert int(r.get("stat:processed")) == 26
+    assert int(r.get(f"stat:processed:{day}")) == 26
+    assert int(r.get("stat:failed")) == 1
+    assert 0 < r.ttl(f"stat:processed:{day}") <= 5 * 365 * 24 * 3600
+
+
+@pytest.mark.timeout(30)
+def test_sigttin_logs_every_thread_stack(workers):
+    worker = workers(concurrency=2)
+    worker.signal(signal.SIGTTIN)
+    text = wait_until(lambda: "forkq-processor-1" in worker.log_path.read_text()
+                      and worker.log_path.read_text(), timeout=5, message="thread dump in the log")
+    dumps = [json.loads(line) for line in text.splitlines()
+             if line.startswith("{") and "thread dump" in line]
+    threads = {d["thread"] for d in dumps}
+    assert {"MainThread", "forkq-processor-0", "forkq-processor-1", "forkq-fetcher"} <= threads
+    assert all("File " in d["stack"] for d in dumps)
+    worker.assert_alive()  # TTIN only dumps; the worker keeps running
