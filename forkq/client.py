@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable, Iterable
 from datetime import datetime
@@ -27,7 +28,10 @@ def redis_url(url: str | None = None) -> str:
 
 def mask_url(url: str) -> str:
     """The URL with any password replaced, fit for logs and status output."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. an unclosed "[" in an IPv6 host: mask whatever sits before "@"
+        return re.sub(r"(//[^:/@]*:)[^/]*@", r"\1***@", url)
     if parts.password is None:
         return url
     # Rebuild from the raw netloc: parts.port raises on a bad port, and the URL being

@@ -343,6 +343,7 @@ def test_redisunavailable_when_the_server_goes_away(own_redis):
 @pytest.mark.parametrize("url", [
     "http://:hunter2@127.0.0.1:6379/0",
     "redis://:hunter2@127.0.0.1:notaport/0",
+    "redis://:hunter2@[::1/0",
 ])
 def test_bad_url_is_a_valueerror_with_password_masked(url):
     with pytest.raises(ValueError, match="bad Redis URL") as info:
