@@ -47,9 +47,20 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis:
     options.setdefault("health_check_interval", 30)
     options.setdefault("socket_connect_timeout", 5)
     try:
+        _check_db(url)
         return redis.Redis.from_url(url, **options)
     except ValueError as exc:
         raise ValueError(f"bad Redis URL {mask_url(url)!r}: {exc}") from None
+
+
+def _check_db(url: str) -> None:
+    # redis-py ignores a path it cannot read as a number and uses db 0: a typo would
+    # silently send jobs to another database
+    parts = urlsplit(url)
+    if parts.scheme in ("redis", "rediss"):
+        db = parts.path.replace("/", "")
+        if db and not (db.isascii() and db.isdigit()):
+            raise ValueError(f"the database must be a number, as in /0, not {db!r}")
 
 
 def epoch(when: float | int | datetime) -> float:

@@ -10,6 +10,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
+import redis
 
 import forkq
 import forkq.jobs
@@ -344,11 +345,24 @@ def test_redisunavailable_when_the_server_goes_away(own_redis):
     "http://:hunter2@127.0.0.1:6379/0",
     "redis://:hunter2@127.0.0.1:notaport/0",
     "redis://:hunter2@[::1/0",
+    "redis://:hunter2@127.0.0.1:6379/notadb",
 ])
 def test_bad_url_is_a_valueerror_with_password_masked(url):
     with pytest.raises(ValueError, match="bad Redis URL") as info:
         forkq.Client(url).push("X", [1])
     assert "hunter2" not in str(info.value)
+
+
+def test_url_database_number_is_used(own_redis):
+    client = forkq.Client(own_redis.url.rsplit("/", 1)[0] + "/3")
+    client.push("X", [1])
+    db0, db3 = own_redis.client(), redis.Redis(host="127.0.0.1", port=own_redis.port, db=3)
+    try:
+        assert db0.dbsize() == 0
+        assert [j["class"] for j in _queue(db3)] == ["X"]
+    finally:
+        db0.close()
+        db3.close()
 
 
 class UnixSocketRedis(RedisServer):
