@@ -1,0 +1,94 @@
+"""`python -m forkq start`: bad arguments fail in one line with exit code 2; --require forms."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from corekit import CORE_JOBS, REPO_ROOT, CoreWorker, core_jobs, forkq_client  # noqa: F401
+from corekit import wait_records
+
+import forkq
+
+
+def _forkq(args, env_url, timeout=20):
+    env = dict(os.environ)
+    env["FORKQ_REDIS_URL"] = env_url
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", "forkq", *args], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def _assert_one_line_error(out, *expected):
+    assert out.returncode == 2, (out.returncode, out.stderr, out.stdout)
+    err = out.stderr.strip()
+    assert err and "\n" not in err, f"not one line on stderr:\n{out.stderr}"
+    assert "Traceback" not in out.stderr + out.stdout
+    for text in expected:
+        assert text in err, err
+    return err
+
+
+START = ["start", "--no-fork", "--require", str(CORE_JOBS)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, expected", [
+    (["--concurrency", "x"], ["--concurrency", "'x'"]),
+    (["--concurrency", "0"], ["--concurrency", "at least 1"]),
+    (["-c", "-3"], ["--concurrency"]),
+    (["--queue", "a,0"], ["a,0", "weight"]),
+    (["--queue", "a,x"], ["a,x"]),
+    (["--queue", ",3"], [",3"]),
+    (["--timeout", "0"], ["--timeout"]),
+    (["--timeout", "soon"], ["--timeout", "'soon'"]),
+    (["--poll-interval", "-1"], ["--poll-interval"]),
+    (["--no-such-flag"], ["--no-such-flag"]),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_arguments_fail_in_one_line(redis_url, args, expected):
+    _assert_one_line_error(_forkq(START + args, redis_url), *expected)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("require, expected", [
+    ("nonexistent_mod_for_forkq", ["nonexistent_mod_for_forkq"]),
+    ("tests.apps.no_such_module", ["tests.apps.no_such_module"]),
+    ("tests/apps/no_such_file.py", ["no_such_file.py", "no such file"]),
+])
+def test_bad_require_fails_in_one_line(redis_url, require, expected):
+    out = _forkq(["start", "--no-fork", "--require", require], redis_url)
+    _assert_one_line_error(out, "--require", *expected)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("url", [
+    "http://127.0.0.1:6379/0",
+    "redis://:hunter2@127.0.0.1:notaport/0",
+    "redis://127.0.0.1:6379/notadb",
+])
+def test_bad_redis_url_fails_in_one_line_with_password_masked(url):
+    out = _forkq(START, url)
+    err = _assert_one_line_error(out, "Redis URL")
+    assert "hunter2" not in out.stderr + out.stdout
+    if "hunter2" in url:
+        assert ":***@" in err
+
+
+@pytest.mark.timeout(30)
+def test_no_command_fails_in_one_line(redis_url):
+    _assert_one_line_error(_forkq([], redis_url))
+
+
+@pytest.mark.timeout(30)
+def test_require_by_dotted_module_registers_the_same_names(redis_url, forkq_client, r):
+    worker = CoreWorker(redis_url, "tests.apps.core_jobs", concurrency=1,
+                        extra_args=["-q", "default", "-t", "2"])
+    with worker:
+        worker.wait_ready(r)
+        core_jobs.record.enqueue("dotted")
+        (rec,) = wait_records(r, 1, worker, kind="record")
+        assert rec["args"] == ["dotted"]
+        assert worker.stop(timeout=15) == 0
+    assert r.zcard("retry") == 0  # nothing failed as an unknown job
