@@ -62,9 +62,12 @@ class Processor:
             self._run(jobdef.fn, job, unit.queue)
         except BaseException as exc:
             self.current = None
-            if self.manager.hard_stopped or isinstance(exc, (SystemExit, KeyboardInterrupt)):
+            if self.manager.hard_stopped:
                 # cut off by a hard stop: the job goes back to its queue, not to retry
                 raise
+            # Anything else, SystemExit and KeyboardInterrupt included, came from the job's
+            # own code (signals reach only the main thread): it is that job's failure, and
+            # re-raising would end this thread with the job stuck in flight.
             self.failed += 1
             elapsed = (time.perf_counter() - started) * 1000
             try:
