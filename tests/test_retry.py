@@ -193,6 +193,20 @@ def test_stat_failed_counts_failures(workers, forkq_client, r):
     assert int(r.get("stat:processed")) == 4  # processed counts failed executions too
 
 
+@pytest.mark.timeout(30)
+def test_sys_exit_in_a_job_is_that_jobs_failure(workers, forkq_client, r):
+    worker = workers(concurrency=1)
+    jid = core_jobs.exits.enqueue("x")
+    core_jobs.record.enqueue("after")  # the only processor must survive to run this
+
+    wait_records(r, 1, worker, kind="record", timeout=5)
+    ((job, _),) = zset(r, "retry")
+    assert job["jid"] == jid and job["error_class"] == "SystemExit"
+    worker.assert_alive()
+    wait_until(lambda: r.hlen(f"forkq:inflight:{worker.identity}") == 0, timeout=5,
+               message="nothing left in flight")
+
+
 # -- payloads that are not runnable jobs ---------------------------------------------------
 
 MALFORMED = [

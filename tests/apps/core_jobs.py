@@ -150,3 +150,10 @@ def _deep_raise(tag):
 def fail_retry_queue(tag):
     note("fail", tag)
     raise ValueError(f"retry queue {tag}")
+
+
+@forkq.job
+def exits(tag):
+    """Job code that calls sys.exit(): a failure of this job, not of the worker."""
+    note("exits", tag)
+    raise SystemExit(3)
