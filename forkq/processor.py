@@ -72,6 +72,12 @@ class Processor:
             elapsed = (time.perf_counter() - started) * 1000
             try:
                 fate = self.manager.write(self.outcomes.failed, job, exc, unit.token, jobdef)
+            except ValueError as err:
+                # It parsed, but cannot be written back as JSON/UTF-8 (NaN, Infinity, a lone
+                # surrogate escape): left alone it would stay in flight and run again forever.
+                reason = (f"failed with {type(exc).__name__}: {exc}; then the payload could not "
+                          f"be re-encoded for retry: {err}")
+                return self._malformed(unit, reason.encode("utf-8", "backslashreplace").decode())
             except Exception:
                 log.exception("could not record a failure; the job stays in flight and will run again",
                               jid=job.get("jid"))
