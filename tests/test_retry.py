@@ -4,6 +4,7 @@ Each test starts `forkq start --no-fork --require tests/apps/core_jobs.py` on th
 redis-server (flushed first) and pushes jobs with forkq's client or raw LPUSH.
 """
 
+import json
 import re
 import time
 
@@ -243,6 +244,28 @@ def test_malformed_payloads_go_to_dead_and_the_worker_keeps_going(workers, forkq
             assert entry["forkq_original"] == raw.decode()
     worker.assert_alive()
     assert not r.exists("queue:default")
+
+
+@pytest.mark.timeout(30)
+def test_a_failing_payload_that_cannot_be_re_encoded_goes_to_dead(workers, forkq_client, r):
+    # Python's json reads these, but they cannot be written back for a retry
+    for raw in (b'{"class": "tests.apps.core_jobs.fail", "args": [NaN], "jid": "nan"}',
+                b'{"class": "tests.apps.core_jobs.fail", "args": [1e400], "jid": "inf"}',
+                b'{"class": "tests.apps.core_jobs.fail", "args": ["\\ud800"], "jid": "sur"}'):
+        r.lpush("queue:default", raw)
+    core_jobs.record.enqueue("after")
+    worker = workers(concurrency=1)
+
+    wait_records(r, 1, worker, kind="record")
+    dead = zset(r, "dead")
+    assert len(dead) == 3
+    for entry, _ in dead:
+        assert entry["error_class"] == "forkq.MalformedPayload"
+        assert "ValueError: boom" in entry["error_message"]
+        assert json.loads(entry["forkq_original"])["jid"] in {"nan", "inf", "sur"}
+    assert r.zcard("retry") == 0
+    wait_until(lambda: r.hlen(f"forkq:inflight:{worker.identity}") == 0, timeout=5,
+               message="nothing left in flight")
 
 
 @pytest.mark.timeout(30)
