@@ -366,7 +366,7 @@ class Supervisor:
                 continue
             if rss_mb > limit and self.state == "running":
                 log.warning("child over its memory limit; recycling it", slot=child.slot,
-                            pid=child.pid, rss_mb=round(rss_mb, 1), limit_mb=limit)
+                            child_pid=child.pid, rss_mb=round(rss_mb, 1), limit_mb=limit)
                 self.retire(child, "memory")
                 return
 
