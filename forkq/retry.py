@@ -41,9 +41,15 @@ def error_class(exc: BaseException) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
+def _utf8(text: str) -> str:
+    """text that encodes as UTF-8: a lone surrogate (a filename read with surrogateescape,
+    say) becomes a visible \\udcff escape instead of making the retry write fail."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def record_failure(job: dict[str, Any], exc: BaseException, now: float) -> None:
     """Stamp the error fields as Sidekiq does; unknown fields stay untouched."""
-    job["error_message"] = str(exc)[:MESSAGE_LIMIT]
+    job["error_message"] = _utf8(str(exc)[:MESSAGE_LIMIT])
     job["error_class"] = error_class(exc)
     count = job.get("retry_count")
     if type(count) is int and count >= 0:
@@ -61,7 +67,7 @@ def record_failure(job: dict[str, Any], exc: BaseException, now: float) -> None:
             # nearest the error; in Python's order those are the last N (the first are the
             # "Traceback" header and forkq's own frames).
             lines = lines[-keep:]
-        job["error_backtrace"] = payload.encode_backtrace(lines)
+        job["error_backtrace"] = payload.encode_backtrace([_utf8(ln) for ln in lines])
 
 
 def dead_entry_for_malformed(raw: bytes, queue: str, reason: str, now: float) -> dict[str, Any]:
