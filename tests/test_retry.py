@@ -269,6 +269,17 @@ def test_a_failing_payload_that_cannot_be_re_encoded_goes_to_dead(workers, forkq
 
 
 @pytest.mark.timeout(30)
+def test_an_error_message_with_a_lone_surrogate_still_retries(workers, forkq_client, r):
+    worker = workers()
+    jid = core_jobs.fail_surrogate.enqueue("s")
+    ((job, _),) = wait_zset(r, "retry", 1, worker)
+    assert job["jid"] == jid
+    assert job["error_message"] == "no such file: bad-\\udcff"
+    assert "no such file: bad-\\udcff" in "\n".join(decode_backtrace(job["error_backtrace"]))
+    assert r.zcard("dead") == 0
+
+
+@pytest.mark.timeout(30)
 def test_unknown_class_goes_to_retry_not_dead(workers, forkq_client, r):
     worker = workers()
     jid = forkq.default_client().push("NoSuchJob", [1, 2])

@@ -157,3 +157,11 @@ def exits(tag):
     """Job code that calls sys.exit(): a failure of this job, not of the worker."""
     note("exits", tag)
     raise SystemExit(3)
+
+
+@forkq.job(backtrace=True)
+def fail_surrogate(tag):
+    """An error message with a lone surrogate, as os.fsdecode() gives for a bad filename."""
+    note("fail", tag)
+    name = b"bad-\xff".decode("utf-8", "surrogateescape")  # 'bad-\udcff'
+    raise FileNotFoundError("no such file: " + name)
