@@ -46,6 +46,7 @@ class Child:
     started: float
     last_ping: float
     busy: int = 0
+    ready: bool = False                    # has reported since its worker started
     stopping_since: float | None = None   # told to stop (recycle) at this monotonic time
     reason: str = ""                       # why the master ended it: memory, hang, restart
     buffer: bytes = b""
@@ -189,6 +190,7 @@ class Supervisor:
         for line in lines:
             if line.startswith(b"B") and line[1:].isdigit():
                 child.busy = int(line[1:])
+                child.ready = True
 
     def reap_children(self) -> None:
         while True:
@@ -381,8 +383,8 @@ class Supervisor:
             return
         if any(c.stopping_since is not None for c in self.children.values()):
             return
-        if len(self.children) < len(self.slots):
-            return  # wait for the last replacement before retiring the next
+        if len(self.children) < len(self.slots) or not all(c.ready for c in self.children.values()):
+            return  # wait until the last replacement works before retiring the next
         slot = self.recycle.pop(0)
         for child in self.children.values():
             if child.slot == slot:

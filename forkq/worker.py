@@ -86,6 +86,11 @@ class Worker:
         fds = [self._cmd_r] + ([self.control_fd] if self.control_fd is not None else [])
         last_report = 0.0
         while not self.stopping:
+            # the first report goes out at once: it tells the master this child works
+            now = time.monotonic()
+            if self.report_fd is not None and now - last_report >= 1.0:
+                last_report = now
+                self._report()
             ready, _, _ = select.select(fds, [], [], 1.0)
             for fd in ready:
                 data = os.read(fd, 64)
@@ -96,10 +101,6 @@ class Worker:
                     self.stopping = True
                 for signum in data:
                     self._handle(signum)
-            now = time.monotonic()
-            if self.report_fd is not None and now - last_report >= 1.0:
-                last_report = now
-                self._report()
 
     def _report(self) -> None:
         """Tell the master we are alive (a hung process can't) and how busy we are."""
