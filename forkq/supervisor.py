@@ -49,6 +49,7 @@ class Child:
     ready: bool = False                    # has reported since its worker started
     stopping_since: float | None = None   # told to stop (recycle) at this monotonic time
     reason: str = ""                       # why the master ended it: memory, hang, restart
+    fatal: str = ""                        # the error it reported just before dying
     buffer: bytes = b""
 
 
@@ -177,13 +178,14 @@ class Supervisor:
             self.tell(child, signum)
 
     # -- children -------------------------------------------------------------------------
-    def read_report(self, child: Child) -> None:
+    def read_report(self, child: Child) -> bool:
+        """Read what the child wrote: "B<busy>" pings, or "E<error>" before it dies."""
         try:
             data = os.read(child.report_r, 4096)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         if not data:
-            return  # EOF: it is exiting; waitpid will tell how
+            return False  # EOF: it is exiting; waitpid will tell how
         child.last_ping = time.monotonic()
         child.buffer += data
         *lines, child.buffer = child.buffer.split(b"\n")
@@ -191,6 +193,9 @@ class Supervisor:
             if line.startswith(b"B") and line[1:].isdigit():
                 child.busy = int(line[1:])
                 child.ready = True
+            elif line.startswith(b"E"):
+                child.fatal = line[1:].decode("utf-8", "replace")
+        return True
 
     def reap_children(self) -> None:
         while True:
@@ -205,6 +210,8 @@ class Supervisor:
                 self.child_exited(child, status)
 
     def child_exited(self, child: Child, status: int) -> None:
+        while self.read_report(child):
+            pass  # what it wrote just before dying (why it died) may not be read yet
         os.close(child.control_w)
         os.close(child.report_r)
         code = os.waitstatus_to_exitcode(status)
@@ -212,7 +219,8 @@ class Supervisor:
         expected = self.state == "stopping" or child.reason in ("memory", "restart")
         crashed = code != 0
         if crashed and not expected:
-            log.error("child died", slot=child.slot, child_pid=child.pid, how=how)
+            log.error("child died", slot=child.slot, child_pid=child.pid, how=how,
+                      error=child.fatal or None)
         else:
             log.info("child exited", slot=child.slot, child_pid=child.pid, how=how, reason=child.reason or None)
         reason = child.reason or ("crash" if crashed else "exit")
@@ -222,7 +230,7 @@ class Supervisor:
         self.pending_requeue.append((child.identity, crashed))
         self.requeue_pending()
         slot = self.slots[child.slot]
-        slot.last_exit = how
+        slot.last_exit = f"{how}: {child.fatal}" if child.fatal else how
         lived = time.monotonic() - child.started
         if crashed and not expected and lived < self.settings.boot_window:
             slot.failures += 1
@@ -233,7 +241,8 @@ class Supervisor:
         if self.state == "running" and all(s.failures >= CRASH_LOOP_LIMIT for s in self.slots):
             sys.stderr.write(
                 f"forkq: every child died within {self.settings.boot_window:g}s of starting, "
-                f"{CRASH_LOOP_LIMIT} times in a row (last: {how}); giving up. See the log above.\n")
+                f"{CRASH_LOOP_LIMIT} times in a row (last: {slot.last_exit}); giving up. "
+                "See the log above.\n")
             self.exit_code = 1
             self.state = "failed"
             self.kill_all()
@@ -292,9 +301,10 @@ class Supervisor:
             code = 1
             try:
                 code = self.child_main(index, nonce, control_r, report_w, inherited)
-            except BaseException:
+            except BaseException as exc:
                 import traceback
                 traceback.print_exc()
+                _report_fatal(report_w, exc)
             finally:
                 os._exit(code)
         os.close(control_r)
@@ -325,7 +335,11 @@ class Supervisor:
         logs.configure(s.log_level, s.log_format, slot=index)
         setproctitle.setproctitle(f"forkq child {index} {self.app} [0 of {s.concurrency} busy]")
         for fn in hooks.ON_FORK:
-            fn(index)
+            try:
+                fn(index)
+            except Exception as exc:
+                name = getattr(fn, "__qualname__", repr(fn))
+                raise ChildStartError(f"on_fork hook {name} raised {type(exc).__name__}: {exc}") from exc
         from .worker import Worker
         identity = f"{socket.gethostname()}:{os.getpid()}:{nonce}"
         worker = Worker(s, slot=index, master=self.identity, control_fd=control_r,
@@ -411,6 +425,20 @@ class Supervisor:
         if title != getattr(self, "_title", None):
             self._title = title
             setproctitle.setproctitle(title)
+
+
+class ChildStartError(Exception):
+    """A child could not start (its message names why); the master shows the message."""
+
+
+def _report_fatal(report_w: int, exc: BaseException) -> None:
+    """Tell the master, in one line, why this child is about to die."""
+    what = str(exc) if isinstance(exc, ChildStartError) else f"{type(exc).__name__}: {exc}"
+    line = " ".join(what.split())[:500]
+    try:
+        os.write(report_w, b"E" + line.encode("utf-8", "replace") + b"\n")
+    except OSError:
+        pass
 
 
 def _kill(pid: int) -> None:
