@@ -69,6 +69,8 @@ def build_parser() -> ArgumentParser:
                        help="run one worker in this process, without a supervising master")
     start.add_argument("--poll-interval", type=_positive_float("--poll-interval"), default=5.0,
                        help="average seconds between scheduled/retry polls per process (default 5)")
+    start.add_argument("--heartbeat-interval", type=_positive_float("--heartbeat-interval"), default=5.0,
+                       help="seconds between heartbeats; remote signals are read at each (default 5)")
     start.add_argument("--tag", default="", help="tag shown in the heartbeat and process title")
     start.add_argument("--log-level", choices=sorted(logs.LEVELS, key=logs.LEVELS.get), default="info")
     start.add_argument("--log-format", choices=["json", "text"], default=None,
@@ -130,7 +132,7 @@ def _import(item: str, name: str) -> None:
 def settings_from(args: argparse.Namespace) -> Settings:
     s = Settings(require=args.require, queues=args.queue or [("default", 0)],
                  concurrency=args.concurrency, timeout=args.timeout, no_fork=args.no_fork,
-                 poll_interval=args.poll_interval, tag=args.tag, log_level=args.log_level,
+                 poll_interval=args.poll_interval, heartbeat_interval=args.heartbeat_interval, tag=args.tag, log_level=args.log_level,
                  log_format=args.log_format, max_memory_mb=args.max_memory,
                  hang_timeout=args.hang_timeout, poison_after=args.poison_after, pidfile=args.pidfile)
     if args.processes is not None:
