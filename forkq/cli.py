@@ -82,6 +82,25 @@ def build_parser() -> ArgumentParser:
     start.add_argument("--poison-after", type=_positive_int("--poison-after"), default=3,
                        help="child deaths a job may cause before it goes to the dead set (default 3)")
     start.add_argument("--pidfile", default=None, help="write the master's pid here")
+    ctl = sub.add_parser("ctl", help="control a running forkq: quiet, stop, status, check")
+    ctl_sub = ctl.add_subparsers(dest="action", required=True, parser_class=ArgumentParser)
+    for action, text in (("quiet", "stop taking new jobs (running ones finish)"),
+                         ("stop", "stop gracefully and wait for the master to exit"),
+                         ("status", "the master and each child: slot, pid, busy, RSS, heartbeat age"),
+                         ("check", "exit 0 if the master and every child heartbeat are healthy")):
+        p = ctl_sub.add_parser(action, help=text)
+        p.add_argument("--pidfile", default=None, help="the master's pidfile (default: start's default)")
+        if action in ("quiet", "stop"):
+            target = p.add_mutually_exclusive_group()
+            target.add_argument("--identity", help="signal this process through Redis instead")
+            target.add_argument("--host", help="signal every process on this host through Redis")
+            target.add_argument("--all", action="store_true", help="signal every process through Redis")
+        if action == "stop":
+            p.add_argument("--timeout", type=_positive_float("--timeout"), default=60.0,
+                           help="seconds to wait for the master to exit (default 60)")
+        if action == "check":
+            p.add_argument("--max-age", type=_positive_float("--max-age"), default=30.0,
+                           help="oldest acceptable child heartbeat, seconds (default 30)")
     return parser
 
 
@@ -145,7 +164,66 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "start":
         return start(settings_from(args))
-    return 2
+    try:
+        return ctl(args)
+    except (ConfigError, ValueError) as exc:
+        sys.stderr.write(f"forkq: {exc}\n")
+        return 1
+    except redis_errors() as exc:
+        sys.stderr.write(f"forkq: cannot reach Redis: {exc}\n")
+        return 1
+
+
+def redis_errors() -> tuple[type[BaseException], ...]:
+    import redis
+    return (redis.ConnectionError, redis.TimeoutError)
+
+
+def ctl(args: argparse.Namespace) -> int:
+    import signal
+
+    from . import control
+    remote = getattr(args, "identity", None) or getattr(args, "host", None) or getattr(args, "all", False)
+    if args.action in ("quiet", "stop") and remote:
+        signame = "TSTP" if args.action == "quiet" else "TERM"
+        sent = control.remote_signal(control.redis_for_ctl(), signame, identity=args.identity,
+                                     host=args.host, everyone=args.all)
+        if not sent:
+            sys.stderr.write("forkq: no live process matches\n")
+            return 1
+        for identity in sent:
+            print(f"{signame} -> {identity}")
+        return 0
+    if args.action == "quiet":
+        pid = control.signal_master(args.pidfile, signal.SIGTSTP)
+        print(f"quiet: told master {pid}")
+        return 0
+    if args.action == "stop":
+        pid = control.signal_master(args.pidfile, signal.SIGTERM)
+        if control.wait_gone(pid, args.timeout):
+            print(f"stopped: master {pid} exited")
+            return 0
+        sys.stderr.write(f"forkq: master {pid} is still running after {args.timeout:g}s\n")
+        return 1
+    pid = control.find_master(args.pidfile)
+    rows = control.children_of(pid, control.redis_for_ctl())
+    if args.action == "check":
+        bad = [r for r in rows if r["beat_age"] is None or r["beat_age"] > args.max_age]
+        if not rows or bad:
+            sys.stderr.write(f"forkq: unhealthy: master {pid} has {len(rows)} children, "
+                             f"{len(bad)} without a recent heartbeat\n")
+            return 1
+        print(f"ok: master {pid}, {len(rows)} children heartbeating")
+        return 0
+    print(f"master pid {pid}  children {len(rows)}")
+    print(f"{'slot':>4} {'pid':>7} {'busy':>9} {'rss MB':>8} {'heartbeat':>10}  state")
+    for r in rows:
+        busy = "-" if r["busy"] is None else f"{r['busy']}/{r['concurrency']}"
+        age = "-" if r["beat_age"] is None else f"{r['beat_age']:.1f}s ago"
+        state = "no heartbeat" if r["beat_age"] is None else ("quiet" if r["quiet"] else "running")
+        print(f"{'-' if r['slot'] is None else r['slot']:>4} {r['pid']:>7} {busy:>9} "
+              f"{r['rss_mb']:>8.1f} {age:>10}  {state}")
+    return 0
 
 
 def warn_about_redis(settings: Settings) -> None:
@@ -183,5 +261,11 @@ def start(settings: Settings) -> int:
     if settings.no_fork:
         from .worker import run_standalone
         return run_standalone(settings)
+    from .control import pidfile
     from .supervisor import Supervisor
-    return Supervisor(settings).run()
+    try:
+        with pidfile(settings.pidfile):
+            return Supervisor(settings).run()
+    except ConfigError as exc:
+        sys.stderr.write(f"forkq: {exc}\n")
+        return 2

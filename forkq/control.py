@@ -1,0 +1,174 @@
+"""`forkq ctl`: find a master through its pidfile and signal it, or signal processes
+anywhere through their `-signals` lists in Redis (as Sidekiq's Web UI does)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+import redis
+
+from . import client, keys, logs
+from .errors import ConfigError
+
+log = logs.get("forkq.control")
+
+
+def default_pidfile() -> str:
+    return os.environ.get("FORKQ_PIDFILE") or os.path.join(tempfile.gettempdir(), "forkq.pid")
+
+
+@contextlib.contextmanager
+def pidfile(path: str | None) -> Iterator[str | None]:
+    """Hold a pidfile for this process: written atomically, removed at exit if still ours.
+
+    A pidfile naming another live forkq master is left alone (with a warning), so two
+    masters on one host don't fight over the default path; give each its own --pidfile.
+    """
+    path = path or default_pidfile()
+    other = read_pid(path)
+    if other is not None and other != os.getpid() and _is_forkq_master(other):
+        log.warning("pidfile belongs to another running forkq master; not writing it",
+                    pidfile=path, other_pid=other)
+        yield None
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".forkq-pid-", dir=directory)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ConfigError(f"--pidfile {path}: cannot write it: {exc.strerror}") from None
+    try:
+        yield path
+    finally:
+        if read_pid(path) == os.getpid():
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def read_pid(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _is_forkq_master(pid: int) -> bool:
+    try:
+        cmdline = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+    return "forkq master" in cmdline or ("forkq" in cmdline and " start" in cmdline)
+
+
+def find_master(path: str | None) -> int:
+    """The master's pid from its pidfile, or ConfigError saying what is wrong."""
+    path = path or default_pidfile()
+    pid = read_pid(path)
+    if pid is None:
+        raise ConfigError(f"no forkq master: pidfile {path} is missing or empty "
+                          "(start with --pidfile, or pass the same --pidfile here)")
+    if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+        raise ConfigError(f"stale pidfile {path}: process {pid} is not running")
+    if not _is_forkq_master(pid):
+        raise ConfigError(f"stale pidfile {path}: process {pid} is not a forkq master")
+    return pid
+
+
+def signal_master(path: str | None, signum: int) -> int:
+    pid = find_master(path)
+    os.kill(pid, signum)
+    return pid
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# -- Redis side: heartbeats and remote signals ------------------------------------------
+
+def heartbeats(conn: redis.Redis) -> list[dict[str, Any]]:
+    """Every live process's heartbeat (Sidekiq's and forkq's), parsed."""
+    members = sorted(conn.smembers(keys.PROCESSES))
+    if not members:
+        return []
+    pipe = conn.pipeline(transaction=False)
+    for m in members:
+        pipe.hgetall(m)
+    out = []
+    now = time.time()
+    for m, h in zip(members, pipe.execute()):
+        if not h:
+            continue
+        try:
+            info = json.loads(h.get(b"info", b"{}"))
+        except ValueError:
+            info = {}
+        beat = float(h.get(b"beat", 0) or 0)
+        out.append({"identity": m.decode(), "info": info, "busy": int(h.get(b"busy", 0) or 0),
+                    "quiet": h.get(b"quiet") == b"true", "rss_kb": int(h.get(b"rss", 0) or 0),
+                    "beat_age": now - beat if beat else None})
+    return out
+
+
+def remote_signal(conn: redis.Redis, signame: str, *, identity: str | None = None,
+                  host: str | None = None, everyone: bool = False) -> list[str]:
+    """LPUSH signame onto each target's `-signals` list; returns the identities signalled."""
+    targets = [hb["identity"] for hb in heartbeats(conn)
+               if everyone or hb["identity"] == identity
+               or (host is not None and hb["info"].get("hostname") == host)]
+    if not targets:
+        return []
+    pipe = conn.pipeline(transaction=False)
+    for t in targets:
+        pipe.lpush(keys.signals(t), signame)
+        pipe.expire(keys.signals(t), keys.HEARTBEAT_TTL_S)
+    pipe.execute()
+    return targets
+
+
+def children_of(master_pid: int, conn: redis.Redis) -> list[dict[str, Any]]:
+    """The master's children with their heartbeats (matched by host and pid)."""
+    host = socket.gethostname()
+    by_pid = {}
+    for hb in heartbeats(conn):
+        info = hb["info"]
+        if info.get("hostname") == host and isinstance(info.get("pid"), int):
+            by_pid[info["pid"]] = hb
+    rows = []
+    for child in psutil.Process(master_pid).children():
+        try:
+            rss_mb = child.memory_info().rss / 1_048_576
+        except psutil.Error:
+            continue
+        hb = by_pid.get(child.pid)
+        rows.append({"pid": child.pid, "slot": hb["info"].get("slot") if hb else None,
+                     "busy": hb["busy"] if hb else None,
+                     "concurrency": hb["info"].get("concurrency") if hb else None,
+                     "quiet": hb["quiet"] if hb else None, "rss_mb": rss_mb,
+                     "beat_age": hb["beat_age"] if hb else None})
+    return sorted(rows, key=lambda r: (r["slot"] is None, r["slot"] or 0, r["pid"]))
+
+
+def redis_for_ctl() -> redis.Redis:
+    return client.connect(None, socket_timeout=5)
