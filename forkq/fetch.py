@@ -93,6 +93,20 @@ class ReliableFetch:
             return True
         return False
 
+    def give_back_landed(self, queue: str, conn: redis.Redis | None = None) -> int:
+        """Return what a blocking wait moved into our landing list to the head of `queue`."""
+        conn = conn or self.redis
+        landing, dest = self._landing_keys[queue], keys.queue(queue)
+        n = 0
+        # the landing list is LPUSHed: moving from its left to the queue's right end leaves
+        # the oldest job rightmost, first in line again
+        while conn.lmove(landing, dest, "LEFT", "RIGHT") is not None:
+            n += 1
+        return n
+
+    def give_back_all_landed(self) -> int:
+        return sum(self.give_back_landed(q) for q in self.order.names)
+
     # -- acknowledging ----------------------------------------------------------------
     def ack(self, token: str) -> None:
         """Queue a finished job's delete; it rides along with the next fetch call."""
@@ -160,6 +174,7 @@ class Waiters:
         self._on_error = on_error
         self._armed = threading.Event()
         self._stopping = False
+        self._quiet = False
         self._threads = [threading.Thread(target=self._run, args=(q,), name=f"forkq-wait-{q}",
                                           daemon=True) for q in fetch.order.names]
 
@@ -171,6 +186,11 @@ class Waiters:
         self._armed.set()
 
     def disarm(self) -> None:
+        self._armed.clear()
+
+    def quiet(self) -> None:
+        """Claim nothing more: a wait already blocking puts back whatever it catches."""
+        self._quiet = True
         self._armed.clear()
 
     def stop(self, timeout: float) -> None:
@@ -189,8 +209,12 @@ class Waiters:
                 return
             try:
                 if self._fetch.wait_for(queue, conn):
-                    self._armed.clear()
-                    self._wake()
+                    if self._quiet:
+                        # a quiet process must not hold a job nobody will start
+                        self._fetch.give_back_landed(queue, conn)
+                    else:
+                        self._armed.clear()
+                        self._wake()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 self._on_error(exc)
                 time.sleep(0.5)

@@ -82,8 +82,10 @@ class Manager:
         """Stop claiming jobs; running ones finish. Claimed-but-unstarted ones go back."""
         if self.quiet_flag:
             return
+        # the waiters first: one that sees quiet unset has landed its job before the
+        # fetcher sees quiet_flag, so the fetcher's final give-back below returns it
+        self.waiters.quiet()
         self.quiet_flag = True
-        self.waiters.disarm()
         self._wake.set()
 
     def stop(self, deadline: float) -> bool:
@@ -180,6 +182,11 @@ class Manager:
                 break
             if u is not None:
                 unstarted.append(u)
+        # landed jobs arrived after the claimed ones: back first, so the claimed end up ahead
+        try:
+            self.write(self.fetch.give_back_all_landed)
+        except Exception:
+            log.exception("could not return landed jobs; they stay private until the final requeue")
         if unstarted:
             try:
                 self.write(self.fetch.requeue, unstarted)
