@@ -1,0 +1,82 @@
+"""Jobs for the supervisor tests (tests/test_supervisor.py), loaded with --require.
+
+Every run is recorded as RPUSH sup:events {"event", "tag", "slot", "slot_api", "pid", ...}
+on the worker's own Redis (FORKQ_REDIS_URL), so a test can tell which child ran what, in
+which order: "fork" from the on_fork hook, "start"/"done" from the jobs.
+
+SUP_FORK_DELAY=SECONDS in the environment makes the on_fork hook that slow.
+"""
+
+import json
+import os
+import signal
+import time
+
+import redis
+
+import forkq
+
+EVENTS = "sup:events"
+_LEAK: list[bytes] = []
+
+
+def record(event, tag=None, **extra):
+    # A connection per record: nothing made at import time crosses a fork.
+    entry = {"event": event, "tag": tag, "slot": os.environ.get("FORKQ_INDEX"),
+             "slot_api": forkq.slot_index(), "pid": os.getpid(), "at": time.time(), **extra}
+    client = redis.Redis.from_url(os.environ["FORKQ_REDIS_URL"])
+    try:
+        client.rpush(EVENTS, json.dumps(entry))
+    finally:
+        client.close()
+
+
+@forkq.on_fork
+def _record_fork(slot):
+    record("fork", hook_slot=slot)
+    # SUP_FORK_DELAY: a slow start-up (warming caches, connecting...) before any job runs
+    time.sleep(float(os.environ.get("SUP_FORK_DELAY", "0")))
+
+
+@forkq.job(name="sup.sleep", retry=0)
+def sleep_job(tag, seconds):
+    record("start", tag)
+    time.sleep(seconds)
+    record("done", tag)
+
+
+@forkq.job(name="sup.quick", retry=0)
+def quick_job(tag):
+    record("done", tag)
+
+
+@forkq.job(name="sup.suicide", retry=0)
+def suicide_job(tag):
+    """A poison job: it kills the process running it, every time."""
+    record("start", tag)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@forkq.job(name="sup.leak", retry=0)
+def leak_job(tag, mb, hold):
+    """Allocate `mb` MB that this process keeps for good (a leak), then hold `hold` s."""
+    _LEAK.append(b"\x01" * (mb << 20))  # written, so resident
+    record("start", tag)
+    time.sleep(hold)
+    record("done", tag)
+
+
+@forkq.job(name="sup.hog_once", retry=0)
+def hog_once_job(tag, mb, hold):
+    """First run: hold `mb` MB for `hold` s. Any later run finishes at once."""
+    client = redis.Redis.from_url(os.environ["FORKQ_REDIS_URL"])
+    try:
+        attempt = client.incr(f"sup:attempts:{tag}")
+    finally:
+        client.close()
+    record("start", tag, attempt=attempt)
+    if attempt == 1:
+        data = b"\x01" * (mb << 20)
+        time.sleep(hold)
+        del data
+    record("done", tag, attempt=attempt)
