@@ -22,8 +22,10 @@ from typing import Any, NamedTuple
 
 import redis
 
-from . import keys, scripts
+from . import keys, logs, scripts
 from .queues import QueueOrder
+
+log = logs.get("forkq.fetch")
 
 
 class Unit(NamedTuple):
@@ -218,5 +220,10 @@ class Waiters:
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 self._on_error(exc)
                 time.sleep(0.5)
+            except Exception as exc:
+                # OOM, READONLY after a failover...: a waiter that died here would leave
+                # its queue unwatched for good, so the idle worker never saw new jobs
+                log.warning("blocking wait failed; retrying", queue=queue, error=str(exc))
+                time.sleep(1.0)
             if self._stopping:
                 return
