@@ -243,6 +243,29 @@ def test_worker_started_while_redis_is_down_begins_once_it_is_up(own_redis, work
     wait_records(r, 1, worker, kind="record")
 
 
+@pytest.mark.timeout(60)
+def test_an_idle_worker_notices_jobs_again_after_redis_refused_writes(own_redis, workers,
+                                                                       redis_url, r, monkeypatch):
+    """maxmemory reached (noeviction): BLMOVE is refused with OOM for a while."""
+    monkeypatch.setenv("CORE_RECORD_URL", redis_url)
+    worker = workers(url=own_redis.url, concurrency=1)
+    conn = own_redis.client()
+    try:
+        conn.config_set("maxmemory", "1")
+
+        def blmove_refused():
+            worker.assert_alive()
+            stats = conn.info("commandstats").get("cmdstat_blmove", {})
+            return stats.get("rejected_calls", 0) >= 1
+
+        wait_until(blmove_refused, timeout=10, message="the worker's BLMOVE refused with OOM")
+        conn.config_set("maxmemory", "0")
+        core_jobs.record.options(client=forkq.Client(own_redis.url)).enqueue("after OOM")
+        wait_records(r, 1, worker, kind="record", timeout=10)
+    finally:
+        conn.close()
+
+
 @pytest.mark.timeout(90)
 def test_worker_rides_through_a_paused_redis(own_redis, workers, redis_url, r, monkeypatch):
     def pause():
