@@ -100,7 +100,7 @@ class Client:
                   retry: bool | int = True, at: float | datetime | None = None,
                   **options: Any) -> list[str]:
         """Push many jobs of one kind in one round trip (Sidekiq's push_bulk); return jids."""
-        checked = [payload.check_args(a if type(a) in (list, tuple) else list(a)) for a in args_list]
+        checked = [payload.check_args(payload.bulk_item(a)) for a in args_list]
         now = time.time()
         jobs = [payload.build(name, a, queue, retry, now, **options) for a in checked]
         return self.push_jobs(jobs, at=at)

@@ -54,7 +54,7 @@ class Enqueuer:
         jids: list[str] = []
         batch: list = []
         for args in args_list:
-            batch.append(args if type(args) in (list, tuple) else list(args))
+            batch.append(payload.bulk_item(args))
             if len(batch) >= batch_size:
                 jids += self._push(batch, None)
                 batch = []

@@ -53,6 +53,17 @@ def _first_bad(value: Any, path: str) -> tuple[str, Any]:
     return path, value
 
 
+def bulk_item(args: Any) -> Any:
+    """One item of a bulk push as a list, or as given for check_args to refuse: a string
+    is not a list of its characters, nor a dict a list of its keys."""
+    if type(args) in (list, tuple) or isinstance(args, (str, bytes, bytearray, dict)):
+        return args
+    try:
+        return list(args)
+    except TypeError:
+        return args
+
+
 def check_args(args: Any) -> list:
     """Return args as a list, or raise TypeError naming the first value JSON can't carry."""
     if type(args) is tuple:
