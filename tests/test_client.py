@@ -179,6 +179,21 @@ def test_enqueue_many_accepts_tuples_and_other_iterables(forkq_client, r):
     assert [j["args"] for j in _queue(r)] == [[1, 2], [3], [4, 5]]
 
 
+@pytest.mark.parametrize("items, shown", [
+    (["abc", "de"], "not str"),
+    ([{"a": 1}], "not dict"),
+    ([1, 2], "not int"),
+    ([b"xy"], "not bytes"),
+])
+def test_enqueue_many_wants_a_list_of_argument_lists(forkq_client, r, items, shown):
+    # a flat list is a common slip: it must not become one job per character or key
+    with pytest.raises(TypeError, match=shown):
+        core_jobs.record.enqueue_many(items)
+    with pytest.raises(TypeError, match=shown):
+        forkq.default_client().push_bulk("X", items)
+    assert r.dbsize() == 0
+
+
 def test_options_override_queue_and_retry_for_one_push(forkq_client, r):
     jid = core_jobs.record.options(queue="low", retry=2).enqueue("x")
     core_jobs.record.enqueue("y")
