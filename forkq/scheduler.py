@@ -74,13 +74,18 @@ class Scheduler:
                 queue = job.get("queue", "default")
                 if type(queue) is not str or not queue or "\n" in queue:
                     raise ValueError(f"payload 'queue' is {queue!r}, not a queue name")
+                job["enqueued_at"] = now
+                # NaN, Infinity or a lone surrogate escape parse but cannot be written back:
+                # find out here, or the whole batch fails on every poll
+                text = payload.dumps(job)
+                text.encode("utf-8")
             except ValueError as exc:
-                entry = dead_entry_for_malformed(member, "", f"in {key}: {exc}", now)
+                reason = f"in {key}: {exc}".encode("utf-8", "backslashreplace").decode()
+                entry = dead_entry_for_malformed(member, "", reason, now)
                 self.outcomes.to_dead(entry, member, now, source=key, kind="zset")
-                log.error("malformed entry moved to the dead set", source=key, reason=str(exc))
+                log.error("malformed entry moved to the dead set", source=key, reason=reason)
                 continue
-            job["enqueued_at"] = now
-            argv += [member, queue, payload.dumps(job)]
+            argv += [member, queue, text]
         return int(self._move(keys=[key], args=argv)) if argv else 0
 
     def _next_wait(self) -> float:
