@@ -92,3 +92,19 @@ def test_a_malformed_scheduled_entry_goes_to_dead_and_the_rest_still_move(worker
     assert any("in retry" in m and "queue" in m for m in messages), messages
     assert all(entry["error_class"] == "forkq.MalformedPayload" for entry, _ in dead)
     assert r.zcard("schedule") == 0 and r.zcard("retry") == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_due_entry_that_cannot_be_re_encoded_does_not_stall_the_others(workers, forkq_client, r):
+    # JSON that Python reads but cannot write back (a JavaScript client can produce both)
+    now = time.time()
+    r.zadd("schedule", {b'{"class": "X", "args": [NaN], "queue": "default"}': now - 3,
+                        b'{"class": "X", "args": ["\\udc80"], "queue": "default"}': now - 2})
+    jid = core_jobs.record.enqueue_at(now + 0.3, "fine")
+    worker = workers(poll_interval=1)
+
+    wait_records(r, 1, worker, kind="record", timeout=5)
+    assert [p["jid"] for p in seen(r)] == [jid]
+    dead = wait_zset(r, "dead", 2, worker)
+    assert all("in schedule" in entry["error_message"] for entry, _ in dead)
+    assert r.zcard("schedule") == 0
