@@ -16,6 +16,7 @@ from . import keys, payload
 from .errors import RedisUnavailable
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_TIMEOUT_S = 5.0
 
 # A client middleware sees each payload before it is pushed and returns it (changed or
 # not), or None to drop the job.
@@ -78,6 +79,9 @@ class Client:
                  middleware: Iterable[ClientMiddleware] = (), **redis_options: Any) -> None:
         self.url = redis_url(url)
         self.middleware: list[ClientMiddleware] = list(middleware)
+        # Without a read timeout a push to a Redis that stopped answering (paused, network
+        # cut) blocks its caller forever; Sidekiq's clients give up after 5 s too.
+        redis_options.setdefault("socket_timeout", DEFAULT_TIMEOUT_S)
         self._options = redis_options
         self._redis: redis.Redis | None = None
         self._pid = 0
@@ -147,7 +151,12 @@ class Client:
                 self._redis = None
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.command_stack.extend(commands)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except redis.TimeoutError as exc:
+                # the commands may have reached Redis and run: only their reply is missing
+                raise RedisUnavailable(
+                    f"Redis at {mask_url(self.url)} did not answer in time ({exc}); the job "
+                    "may or may not have been pushed") from None
+            except redis.ConnectionError as exc:
                 raise RedisUnavailable(
                     f"cannot reach Redis at {mask_url(self.url)}: {exc}; the job was not pushed") from None
         raise AssertionError("unreachable")
