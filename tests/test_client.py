@@ -356,6 +356,23 @@ def test_redisunavailable_when_the_server_goes_away(own_redis):
         conn.close()
 
 
+@pytest.mark.timeout(30)
+def test_a_redis_that_stops_answering_raises_instead_of_hanging(own_redis):
+    assert forkq.Client(own_redis.url).redis.connection_pool.connection_kwargs[
+        "socket_timeout"] == 5.0  # the default: finite, as Sidekiq's
+    client = forkq.Client(own_redis.url, socket_timeout=0.5)
+    client.push("X", [1])
+    own_redis.pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(forkq.RedisUnavailable, match="may or may not have been pushed"):
+            client.push("X", [2])
+        assert time.monotonic() - started < 3
+    finally:
+        own_redis.resume()
+    assert client.push("X", [3])
+
+
 @pytest.mark.parametrize("url", [
     "http://:hunter2@127.0.0.1:6379/0",
     "redis://:hunter2@127.0.0.1:notaport/0",
