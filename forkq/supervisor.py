@@ -228,11 +228,13 @@ class Supervisor:
             self.stats.restarts[reason] = self.stats.restarts.get(reason, 0) + 1
         # its private jobs go back before anything else happens to the slot
         self.pending_requeue.append((child.identity, crashed))
-        self.requeue_pending()
+        held = self.requeue_pending().get(child.identity, (0, 0))
         slot = self.slots[child.slot]
         slot.last_exit = f"{how}: {child.fatal}" if child.fatal else how
         lived = time.monotonic() - child.started
-        if crashed and not expected and lived < self.settings.boot_window:
+        # a child that died holding jobs got past its start: the jobs are suspects (the
+        # poison count deals with them), not a sign the app cannot boot
+        if crashed and not expected and lived < self.settings.boot_window and not any(held):
             slot.failures += 1
             slot.next_spawn = time.monotonic() + min(0.1 * 2 ** (slot.failures - 1), 10.0)
         else:
@@ -247,11 +249,13 @@ class Supervisor:
             self.state = "failed"
             self.kill_all()
 
-    def requeue_pending(self, final: bool = False) -> None:
+    def requeue_pending(self, final: bool = False) -> dict[str, tuple[int, int]]:
+        """Put dead children's jobs back; {identity: (requeued, poisoned)} of those done now."""
+        done: dict[str, tuple[int, int]] = {}
         attempts = 20 if final else 1
         for _ in range(attempts):
             if not self.pending_requeue:
-                return
+                return done
             identity, crashed = self.pending_requeue[0]
             try:
                 requeued, poisoned = requeue_owner(
@@ -262,8 +266,9 @@ class Supervisor:
                     time.sleep(0.25)
                     continue
                 log.warning("cannot requeue a dead child's jobs yet: Redis unreachable", error=str(exc))
-                return
+                return done
             self.pending_requeue.pop(0)
+            done[identity] = (requeued, poisoned)
             self.stats.requeued += requeued
             self.stats.poisoned += poisoned
             if requeued or poisoned:
@@ -272,6 +277,7 @@ class Supervisor:
         if final and self.pending_requeue:
             log.error("Redis unreachable: these children's jobs stay in their private lists for "
                       "orphan recovery", identities=[i for i, _ in self.pending_requeue])
+        return done
 
     @property
     def redis(self) -> redis.Redis:
