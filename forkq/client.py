@@ -47,6 +47,10 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis:
     url = redis_url(url)
     options.setdefault("health_check_interval", 30)
     options.setdefault("socket_connect_timeout", 5)
+    if url.startswith("unix:"):
+        # TCP-only options: redis-py's unix socket connection refuses them with a TypeError
+        for tcp_only in ("socket_keepalive", "socket_keepalive_options"):
+            options.pop(tcp_only, None)
     try:
         _check_db(url)
         return redis.Redis.from_url(url, **options)
