@@ -5,6 +5,7 @@
                          worker gives it (so job names match on both sides)
     workers              fixture: start(...) real `forkq start --no-fork` subprocesses,
                          each SIGKILLed at teardown if still alive
+    UnixSocketRedis      a RedisServer that also listens on a unix socket
     records(r, kind)     what the jobs wrote to core:ran
     wait_records(...)    poll core:ran, failing early (with the log) if a worker died
 
@@ -27,7 +28,7 @@ import pytest
 
 import forkq
 import forkq.client
-from helpers import ForkqWorker, wait_until
+from helpers import ForkqWorker, RedisServer, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CORE_JOBS = REPO_ROOT / "tests" / "apps" / "core_jobs.py"
@@ -41,6 +42,22 @@ core_jobs = importlib.import_module("tests.apps.core_jobs")
 
 RAN = core_jobs.RAN
 SEEN = core_jobs.SEEN
+
+
+class UnixSocketRedis(RedisServer):
+    """A RedisServer that also listens on a unix socket in its directory."""
+
+    @property
+    def socket_path(self):
+        return self.dir / "redis.sock"
+
+    @property
+    def unix_url(self):
+        return f"unix://{self.socket_path}?db=0"
+
+    def _command(self):
+        return super()._command() + ["--unixsocket", str(self.socket_path),
+                                     "--unixsocketperm", "700"]
 
 
 class CoreWorker(ForkqWorker):

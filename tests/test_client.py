@@ -14,8 +14,8 @@ import redis
 
 import forkq
 import forkq.jobs
-from corekit import core_jobs, forkq_client  # noqa: F401  (fixture)
-from helpers import RedisServer, free_port
+from corekit import UnixSocketRedis, core_jobs, forkq_client  # noqa: F401  (fixture)
+from helpers import free_port
 
 JID = re.compile(r"\A[0-9a-f]{24}\Z")
 PUSHED_FIELDS = {"class", "args", "jid", "queue", "retry", "created_at", "enqueued_at"}
@@ -397,21 +397,9 @@ def test_url_database_number_is_used(own_redis):
         db3.close()
 
 
-class UnixSocketRedis(RedisServer):
-    """A RedisServer that also listens on a unix socket in its directory."""
-
-    @property
-    def socket_path(self):
-        return self.dir / "redis.sock"
-
-    def _command(self):
-        return super()._command() + ["--unixsocket", str(self.socket_path),
-                                     "--unixsocketperm", "700"]
-
-
 def test_unix_socket_url():
     with UnixSocketRedis() as server:
-        client = forkq.Client(f"unix://{server.socket_path}?db=0")
+        client = forkq.Client(server.unix_url)
         jid = core_jobs.record.options(client=client).enqueue("via socket")
         conn = server.client()
         try:
@@ -419,3 +407,9 @@ def test_unix_socket_url():
         finally:
             conn.close()
         assert job["jid"] == jid and job["args"] == ["via socket"]
+        # the worker connects with TCP keepalive: a unix socket URL must still work
+        conn = forkq.client.connect(server.unix_url, socket_keepalive=True, socket_timeout=5)
+        try:
+            assert conn.llen("queue:default") == 1
+        finally:
+            conn.close()

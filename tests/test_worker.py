@@ -16,7 +16,8 @@ from datetime import datetime, timezone
 import pytest
 
 import forkq
-from corekit import core_jobs, forkq_client, queued, records, wait_records, workers  # noqa: F401
+from corekit import (UnixSocketRedis, core_jobs, forkq_client, queued, records,  # noqa: F401
+                     seen, wait_records, workers)
 from helpers import wait_until
 
 IDENTITY = re.compile(r"\A[^:]+:\d+:[0-9a-f]{12}\Z")
@@ -184,6 +185,21 @@ def test_sigkill_leaves_the_running_job_in_the_private_inflight_hash(workers, fo
     assert queue == b"default"
     assert json.loads(raw)["jid"] == jid
     assert not r.exists("queue:default")  # not in the queue: only the private hash has it
+
+
+@pytest.mark.timeout(30)
+def test_worker_over_a_unix_socket(workers):
+    with UnixSocketRedis() as server:
+        worker = workers(url=server.unix_url, concurrency=1)
+        jid = core_jobs.record.options(client=forkq.Client(server.unix_url)).enqueue("unix")
+        conn = server.client()
+        try:
+            (rec,) = wait_records(conn, 1, worker, kind="record")
+            assert rec["args"] == ["unix"]
+            assert [p["jid"] for p in seen(conn)] == [jid]
+        finally:
+            conn.close()
+        assert worker.stop(timeout=15) == 0
 
 
 # -- Redis trouble ------------------------------------------------------------------------
