@@ -1,10 +1,12 @@
 """The shipped deployment files agree with forkq and with each other.
 
 Part 1: systemd/forkq.service (parsed by hand, and `systemd-analyze verify` when present).
+Part 2: deploy/kubernetes/*.yaml (PyYAML).
 
 Commands in both are parsed with forkq's own CLI parser, so a misspelled or removed flag
 fails here rather than on a production host; the numbers that must fit together (stop
-timeouts against --timeout) are checked as relations, not as copies of the current values.
+timeouts against --timeout, memory limits against --max-memory) are checked as relations,
+not as copies of the current values.
 """
 
 from __future__ import annotations
@@ -201,3 +203,201 @@ def test_unit_passes_systemd_analyze_verify(tmp_path):
     # naming the file; lines about other units or the environment are not ours
     ours = [line for line in output.splitlines() if "forkq.service" in line]
     assert result.returncode == 0 and not ours, output
+
+
+# =====================================================================================
+# Part 2: Kubernetes
+# =====================================================================================
+
+
+@pytest.fixture(scope="module")
+def yaml():
+    return pytest.importorskip("yaml", reason="PyYAML is needed to read the Kubernetes manifests")
+
+
+@pytest.fixture(scope="module")
+def documents(yaml) -> dict[str, list[dict]]:
+    found = {p.name: [d for d in yaml.safe_load_all(p.read_text()) if d is not None]
+             for p in sorted(KUBE.glob("*.yaml"))}
+    assert "deployment.yaml" in found and "secret.example.yaml" in found, sorted(found)
+    return found
+
+
+@pytest.fixture(scope="module")
+def deployment(documents) -> dict:
+    deployments = [d for d in documents["deployment.yaml"] if d.get("kind") == "Deployment"]
+    assert len(deployments) == 1
+    return deployments[0]
+
+
+@pytest.fixture(scope="module")
+def pod(deployment) -> dict:
+    return deployment["spec"]["template"]["spec"]
+
+
+@pytest.fixture(scope="module")
+def container(pod) -> dict:
+    found = [c for c in pod["containers"] if c["name"] == "forkq"]
+    assert len(found) == 1
+    return found[0]
+
+
+def start_args(container: dict, capsys):
+    command = container["command"] + container.get("args", [])
+    assert command[0] == "forkq", command
+    assert all(isinstance(a, str) for a in command), f"every argument must be a string: {command}"
+    args = parse_cli(command[1:], capsys)
+    assert args.command == "start"
+    return args
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def quantity_bytes(text: str | int) -> float:
+    """A Kubernetes memory quantity ("1Gi", "1024Mi", "1G", "500000000") in bytes."""
+    factors = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+               "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T|)", str(text))
+    assert match, f"bad memory quantity {text!r}"
+    return float(match[1]) * factors[match[2]]
+
+
+def quantity_cpus(text: str | int | float) -> float:
+    """A Kubernetes cpu quantity ("2", "1500m", 0.5) in CPUs."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(m?)", str(text))
+    assert match, f"bad cpu quantity {text!r}"
+    return float(match[1]) / (1000 if match[2] else 1)
+
+
+MIB = 2**20
+MASTER_OVERHEAD_MIB = 200  # the master, probes' `forkq ctl` processes, a draining child
+
+
+@pytest.mark.timeout(10)
+def test_quantity_parsers():
+    assert quantity_bytes("1Gi") == 1024 * MIB
+    assert quantity_bytes("1000Mi") == 1000 * MIB
+    assert quantity_bytes("1G") == 1e9
+    assert quantity_bytes(1048576) == MIB
+    assert quantity_cpus("1500m") == 1.5
+    assert quantity_cpus(2) == 2
+    for bad in ("1GB", "lots", "-1Gi"):
+        with pytest.raises(AssertionError):
+            quantity_bytes(bad)
+
+
+@pytest.mark.timeout(10)
+def test_every_manifest_is_a_kubernetes_object(documents):
+    for name, docs in documents.items():
+        assert docs, f"{name} is empty"
+        for doc in docs:
+            assert doc.get("apiVersion") and doc.get("kind") and doc.get("metadata", {}).get("name"), name
+
+
+@pytest.mark.timeout(10)
+def test_container_command_parses_with_forkq_cli(container, capsys):
+    args = start_args(container, capsys)
+    assert not args.no_fork
+    assert args.require
+    assert args.processes is not None, "set --processes: the CPU count a pod sees is the node's"
+    assert args.max_memory is not None, "set --max-memory: the memory limit is computed from it"
+    assert args.log_format == "json"
+
+
+@pytest.mark.timeout(10)
+def test_grace_period_exceeds_forkq_stop(pod, container, capsys):
+    args = start_args(container, capsys)
+    grace = pod["terminationGracePeriodSeconds"]
+    # the grace period also covers the preStop hook, hence strictly more than the stop
+    assert grace > args.timeout + STOP_GRACE_S, (grace, args.timeout, STOP_GRACE_S)
+
+
+@pytest.mark.timeout(10)
+def test_prestop_quiets_the_master(container, capsys):
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:3] == ["forkq", "ctl", "quiet"], command
+    args = parse_cli(command[1:], capsys)
+    assert (args.command, args.action) == ("ctl", "quiet")
+    assert not (args.identity or args.host or args.all), "preStop must quiet this pod's master only"
+
+
+@pytest.mark.timeout(10)
+def test_probes_run_forkq_ctl_check(container, capsys):
+    start = start_args(container, capsys)
+    probes = {k: container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in container}
+    assert "readinessProbe" in probes and "livenessProbe" in probes
+    for name, probe in probes.items():
+        command = probe["exec"]["command"]
+        assert command[:3] == ["forkq", "ctl", "check"], (name, command)
+        args = parse_cli(command[1:], capsys)
+        assert (args.command, args.action) == ("ctl", "check")
+        # a child heartbeats every --heartbeat-interval; check must tolerate a late beat
+        assert args.max_age >= 2 * start.heartbeat_interval, (name, args.max_age)
+        # `forkq ctl` is a fresh Python process that talks to Redis: give it time
+        assert probe.get("timeoutSeconds", 1) >= 5, name
+
+
+@pytest.mark.timeout(10)
+def test_memory_limit_covers_every_child_and_the_master(container, capsys):
+    args = start_args(container, capsys)
+    resources = container["resources"]
+    limit = quantity_bytes(resources["limits"]["memory"])
+    needed = (args.processes * args.max_memory + MASTER_OVERHEAD_MIB) * MIB
+    assert limit >= needed, f"limit {limit / MIB:g} MiB < {args.processes} x {args.max_memory:g} MiB + " \
+                            f"{MASTER_OVERHEAD_MIB} MiB"
+    assert quantity_bytes(resources["requests"]["memory"]) <= limit
+
+
+@pytest.mark.timeout(10)
+def test_cpu_matches_processes(container, capsys):
+    args = start_args(container, capsys)
+    resources = container["resources"]
+    assert quantity_cpus(resources["requests"]["cpu"]) == args.processes
+    assert quantity_cpus(resources["limits"]["cpu"]) == args.processes
+
+
+@pytest.mark.timeout(10)
+def test_redis_url_comes_from_the_example_secret(container, documents):
+    env = env_of(container)
+    url = env["FORKQ_REDIS_URL"]
+    assert "value" not in url, "a Redis URL with a password does not belong in the manifest"
+    ref = url["valueFrom"]["secretKeyRef"]
+    secrets = {d["metadata"]["name"]: d for d in documents["secret.example.yaml"] if d["kind"] == "Secret"}
+    assert ref["name"] in secrets, (ref, sorted(secrets))
+    secret = secrets[ref["name"]]
+    assert ref["key"] in secret.get("stringData", {}) or ref["key"] in secret.get("data", {}), ref
+
+
+@pytest.mark.timeout(10)
+def test_example_secret_holds_a_url_forkq_accepts(documents):
+    from forkq import client
+    for doc in documents["secret.example.yaml"]:
+        for value in doc.get("stringData", {}).values():
+            conn = client.connect(value)  # validates; does not connect
+            conn.close()
+
+
+@pytest.mark.timeout(10)
+def test_start_and_ctl_agree_on_a_writable_pidfile(container, capsys, monkeypatch):
+    # `forkq ctl quiet` and `forkq ctl check` find the master through the pidfile that
+    # `forkq start` wrote: same path for both, in a directory the container can write
+    from forkq import control
+    path = env_of(container)["FORKQ_PIDFILE"]["value"]
+    monkeypatch.setenv("FORKQ_PIDFILE", path)
+    assert control.default_pidfile() == path
+    commands = [container["command"], container["lifecycle"]["preStop"]["exec"]["command"]]
+    commands += [container[k]["exec"]["command"] for k in ("startupProbe", "readinessProbe", "livenessProbe")
+                 if k in container]
+    for command in commands:
+        assert parse_cli(command[1:], capsys).pidfile in (None, path), command
+    if container.get("securityContext", {}).get("readOnlyRootFilesystem"):
+        mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+        assert str(Path(path).parent) in mounts, f"{path} is on the read-only root filesystem"
+
+
+@pytest.mark.timeout(10)
+def test_rollout_keeps_capacity(deployment):
+    rolling = deployment["spec"]["strategy"]["rollingUpdate"]
+    assert rolling["maxUnavailable"] == 0 and rolling["maxSurge"] >= 1
