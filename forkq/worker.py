@@ -109,12 +109,13 @@ class Worker:
             os.write(self.report_fd, b"B%d\n" % busy)
         except (BlockingIOError, BrokenPipeError):
             pass
-        if self.title and busy != self._title_busy:
-            self._title_busy = busy
+        shown = (busy, self.manager.quiet_flag)
+        if self.title and shown != self._title_shown:
+            self._title_shown = shown
             setproctitle.setproctitle(f"{self.title} [{busy} of {self.settings.concurrency} busy"
                                       f"{', quiet' if self.manager.quiet_flag else ''}]")
 
-    _title_busy = -1
+    _title_shown: tuple[int, bool] | None = None
 
     def _handle(self, signum: int) -> None:
         if signum in STOP:
