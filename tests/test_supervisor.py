@@ -615,6 +615,10 @@ def test_tstp_quiets_every_child_and_term_then_stops_them(start_master, redis_ur
     m.check()
     assert m.slots() == slots
     wait_until(lambda: "quiet" in m.title(), timeout=5, message=f"master title, got {m.title()!r}")
+    for slot, pid in slots.items():
+        child = psutil.Process(pid)
+        wait_until(lambda: _title(child).endswith(", quiet]"), timeout=5,
+                   message=f"child {slot} title says quiet, got {_title(child)!r}")
     jid = push(redis_url, "sup.quick", "after-quiet")  # nobody takes new work now
 
     m.signal(signal.SIGTERM)
