@@ -1,4 +1,4 @@
-"""The `forkq` command: argument parsing for `start` (and later `ctl`), nothing else."""
+"""The `forkq` command: argument parsing for `start` and `ctl`, nothing else."""
 
 from __future__ import annotations
 
@@ -8,80 +8,49 @@ import os
 import sys
 from pathlib import Path
 
-from . import logs
+from . import config, logs
 from .errors import ConfigError
-from .queues import parse_queue
 from .settings import Settings
 
 
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one readable line, exit 2, no usage dump
-        sys.stderr.write(f"forkq: {message} (see forkq {self.prog.split()[-1]} --help)\n")
+        command = self.prog.split(" ", 1)[1] + " " if " " in self.prog else ""
+        sys.stderr.write(f"forkq: {message} (see forkq {command}--help)\n")
         raise SystemExit(2)
 
 
-def _positive_int(name: str):
-    def parse(text: str) -> int:
+def _flag_type(option: config.Option):
+    def parse(text: str):
         try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a whole number, not {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be at least 1, not {value}")
-        return value
+            return option.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
     return parse
 
 
 def _positive_float(name: str):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, not {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{name} must be above 0, not {text}")
-        return value
-    return parse
-
-
-def _queue(text: str) -> tuple[str, int]:
-    try:
-        return parse_queue(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return _flag_type(config.Option(name, "", config.positive_float, ""))
 
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="forkq", description="A prefork background-job processor on Redis.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     start = sub.add_parser("start", help="run workers in the foreground")
-    start.add_argument("-r", "--require", action="append", default=[], metavar="MODULE_OR_PATH",
-                       help="dotted module or .py file that defines jobs (repeatable)")
-    start.add_argument("-c", "--concurrency", type=_positive_int("--concurrency"), default=10,
-                       help="processor threads per process (default 10)")
-    start.add_argument("-q", "--queue", action="append", type=_queue, default=[], metavar="NAME[,WEIGHT]",
-                       help="queue to work, with optional weight (repeatable; default: default)")
-    start.add_argument("-t", "--timeout", type=_positive_float("--timeout"), default=25.0,
-                       help="seconds running jobs get to finish at stop (default 25)")
-    start.add_argument("-p", "--processes", type=_positive_int("--processes"), default=None,
-                       help="child processes to fork (default: CPU count)")
-    start.add_argument("--no-fork", action="store_true",
-                       help="run one worker in this process, without a supervising master")
-    start.add_argument("--poll-interval", type=_positive_float("--poll-interval"), default=5.0,
-                       help="average seconds between scheduled/retry polls per process (default 5)")
-    start.add_argument("--heartbeat-interval", type=_positive_float("--heartbeat-interval"), default=5.0,
-                       help="seconds between heartbeats; remote signals are read at each (default 5)")
-    start.add_argument("--tag", default="", help="tag shown in the heartbeat and process title")
-    start.add_argument("--log-level", choices=sorted(logs.LEVELS, key=logs.LEVELS.get), default="info")
-    start.add_argument("--log-format", choices=["json", "text"], default=None,
-                       help="default: text on a terminal, JSON otherwise")
-    start.add_argument("--max-memory", type=_positive_float("--max-memory"), default=None, metavar="MB",
-                       help="recycle a child whose RSS exceeds this many MB")
-    start.add_argument("--hang-timeout", type=_positive_float("--hang-timeout"), default=30.0,
-                       help="seconds without a ping before a child is killed as hung (default 30)")
-    start.add_argument("--poison-after", type=_positive_int("--poison-after"), default=3,
-                       help="child deaths a job may cause before it goes to the dead set (default 3)")
-    start.add_argument("--pidfile", default=None, help="write the master's pid here")
+    for o in config.OPTIONS:
+        names = [o.short, o.flag] if o.short else [o.flag]
+        help_ = f"{o.help} [env {o.env}]"
+        if o.is_switch:
+            start.add_argument(*names, dest=o.field, action="store_const", const=True, default=None,
+                               help=help_)
+        else:
+            start.add_argument(*names, dest=o.field, type=_flag_type(o), metavar=o.metavar,
+                               action="append" if o.repeat else "store", default=None, help=help_)
+    start.add_argument("--config", metavar="PATH", default=None,
+                       help="TOML file: a forkq.toml, or a pyproject.toml with [tool.forkq] "
+                            "(default: ./pyproject.toml's [tool.forkq] if any) [env FORKQ_CONFIG]")
+    start.add_argument("--print-config", action="store_true",
+                       help="print the settings, where each came from, and exit")
     ctl = sub.add_parser("ctl", help="control a running forkq: quiet, stop, status, check")
     ctl_sub = ctl.add_subparsers(dest="action", required=True, parser_class=ArgumentParser)
     for action, text in (("quiet", "stop taking new jobs (running ones finish)"),
@@ -148,22 +117,23 @@ def _import(item: str, name: str) -> None:
         raise
 
 
-def settings_from(args: argparse.Namespace) -> Settings:
-    s = Settings(require=args.require, queues=args.queue or [("default", 0)],
-                 concurrency=args.concurrency, timeout=args.timeout, no_fork=args.no_fork,
-                 poll_interval=args.poll_interval, heartbeat_interval=args.heartbeat_interval, tag=args.tag, log_level=args.log_level,
-                 log_format=args.log_format, max_memory_mb=args.max_memory,
-                 hang_timeout=args.hang_timeout, poison_after=args.poison_after, pidfile=args.pidfile)
-    if args.processes is not None:
-        s.processes = args.processes
-    s.redis_url = os.environ.get("FORKQ_REDIS_URL")
-    return s
+def settings_from(args: argparse.Namespace) -> tuple[Settings, dict[str, str]]:
+    flags = {o.field: getattr(args, o.field) for o in config.OPTIONS}
+    return config.resolve(flags, config_path=args.config or os.environ.get("FORKQ_CONFIG"))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "start":
-        return start(settings_from(args))
+        try:
+            settings, sources = settings_from(args)
+        except ConfigError as exc:
+            sys.stderr.write(f"forkq: {exc}\n")
+            return 2
+        if args.print_config:
+            print(config.describe(settings, sources))
+            return 0
+        return start(settings)
     try:
         return ctl(args)
     except (ConfigError, ValueError) as exc:

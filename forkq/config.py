@@ -1,0 +1,209 @@
+"""Settings for `forkq start` and where each comes from: flag > environment > file > default.
+
+Every option is declared once here: its flag, its environment variable (FORKQ_ + the flag
+name), its key in `[tool.forkq]` of pyproject.toml or in a `--config` TOML file, and the
+one parser that checks a value from any of those sources, so an error names the setting,
+where the bad value came from, and what it accepts.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import logs
+from .errors import ConfigError
+from .queues import parse_queue
+from .settings import Settings
+
+
+def positive_int(text: Any) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"must be a whole number, not {text!r}") from None
+    if isinstance(text, float) and text != value or value < 1:
+        raise ValueError(f"must be a whole number of at least 1, not {text!r}")
+    return value
+
+
+def positive_float(text: Any) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"must be a number, not {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"must be a number above 0, not {text!r}")
+    return value
+
+
+def text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"must be a string, not {value!r}")
+    return value
+
+
+def switch(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    lowered = str(value).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"must be true or false, not {value!r}")
+
+
+def one_of(*choices: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, not {value!r}")
+        return value
+    return parse
+
+
+def queue(value: Any) -> tuple[str, int]:
+    try:
+        return parse_queue(text(value))
+    except ConfigError as exc:
+        raise ValueError(f"{value!r}: " + str(exc).split(": ", 1)[-1]) from None
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str                         # "--max-memory"; also names the env var and file key
+    field: str                        # Settings attribute
+    parse: Callable[[Any], Any]
+    help: str
+    short: str | None = None
+    repeat: bool = False              # repeatable flag; whitespace-separated in env; list in a file
+    is_switch: bool = False
+    metavar: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.flag[2:]
+
+    @property
+    def env(self) -> str:
+        return "FORKQ_" + self.name.upper().replace("-", "_")
+
+
+OPTIONS = [
+    Option("--require", "require", text, "dotted module or .py file that defines jobs (repeatable)",
+           "-r", repeat=True, metavar="MODULE_OR_PATH"),
+    Option("--processes", "processes", positive_int, "child processes to fork (default: CPU count)", "-p"),
+    Option("--concurrency", "concurrency", positive_int, "processor threads per process (default 10)", "-c"),
+    Option("--queue", "queues", queue, "queue to work, NAME or NAME,WEIGHT (repeatable; default: default)",
+           "-q", repeat=True, metavar="NAME[,WEIGHT]"),
+    Option("--timeout", "timeout", positive_float, "seconds running jobs get to finish at stop (default 25)", "-t"),
+    Option("--redis-url", "redis_url", text, "Redis URL (default redis://127.0.0.1:6379/0)"),
+    Option("--no-fork", "no_fork", switch, "run one worker in this process, without a master", is_switch=True),
+    Option("--poll-interval", "poll_interval", positive_float,
+           "average seconds between scheduled/retry polls per process (default 5)"),
+    Option("--heartbeat-interval", "heartbeat_interval", positive_float,
+           "seconds between heartbeats; remote signals are read at each (default 5)"),
+    Option("--tag", "tag", text, "tag shown in the heartbeat"),
+    Option("--log-level", "log_level", one_of(*logs.LEVELS), "debug, info, warning, error or critical"),
+    Option("--log-format", "log_format", one_of("json", "text"),
+           "json or text (default: text on a terminal, JSON otherwise)"),
+    Option("--max-memory", "max_memory_mb", positive_float, "recycle a child whose RSS exceeds this many MB",
+           metavar="MB"),
+    Option("--hang-timeout", "hang_timeout", positive_float,
+           "seconds without a ping before a child is killed as hung (default 30)"),
+    Option("--poison-after", "poison_after", positive_int,
+           "child deaths a job may cause before it goes to the dead set (default 3)"),
+    Option("--pidfile", "pidfile", text, "write the master's pid here (default $FORKQ_PIDFILE or /tmp/forkq.pid)"),
+]
+def _keys() -> dict[str, Option]:
+    table: dict[str, Option] = {}
+    for o in OPTIONS:
+        table[o.name] = o
+        table[o.name.replace("-", "_")] = o
+        table[o.field] = o
+    return table
+
+
+BY_KEY = _keys()
+
+
+def read_file(path: str | None) -> tuple[dict[str, Any], str | None]:
+    """Settings from --config PATH (a forkq.toml, or a pyproject.toml's [tool.forkq]), else
+    from ./pyproject.toml's [tool.forkq] if present."""
+    explicit = path is not None
+    path = path or ("pyproject.toml" if os.path.exists("pyproject.toml") else None)
+    if path is None:
+        return {}, None
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    section = data.get("tool", {}).get("forkq") if isinstance(data.get("tool"), dict) else None
+    if section is None:
+        if not explicit or os.path.basename(path) == "pyproject.toml":
+            return {}, None
+        section = data
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: [tool.forkq] must be a table")
+    for key in section:
+        if key not in BY_KEY:
+            raise ConfigError(f"{path}: unknown setting {key!r} (known: {', '.join(o.name for o in OPTIONS)})")
+    return section, path
+
+
+def resolve(flags: dict[str, Any], environ: dict[str, str] | None = None,
+            config_path: str | None = None) -> tuple[Settings, dict[str, str]]:
+    """Merge the sources; returns the settings and, per field, where its value came from."""
+    environ = os.environ if environ is None else environ
+    file_values, file_name = read_file(config_path)
+    settings = Settings()
+    sources: dict[str, str] = {o.field: "default" for o in OPTIONS}
+    by_option = {BY_KEY[k]: v for k, v in file_values.items()}
+    for o in OPTIONS:
+        flag_value = flags.get(o.field)
+        if flag_value is not None and flag_value != [] and flag_value is not False:
+            setattr(settings, o.field, flag_value)
+            sources[o.field] = "flag"
+            continue
+        if o.env in environ or (o.field == "redis_url" and "FORKQ_REDIS_URL" in environ):
+            raw = environ[o.env]
+            values = raw.split() if o.repeat else raw
+            setattr(settings, o.field, _parse(o, values, f"{o.env}={raw!r}"))
+            sources[o.field] = "env"
+            continue
+        if o in by_option:
+            raw = by_option[o]
+            if o.repeat and not isinstance(raw, list):
+                raw = [raw]
+            setattr(settings, o.field, _parse(o, raw, f"{file_name}: {o.name} = {raw!r}"))
+            sources[o.field] = file_name or "file"
+    return settings, sources
+
+
+def _parse(o: Option, raw: Any, where: str) -> Any:
+    try:
+        if o.repeat:
+            return [o.parse(v) for v in raw]
+        return o.parse(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {o.flag} {exc}") from None
+
+
+def describe(settings: Settings, sources: dict[str, str]) -> str:
+    """--print-config: every setting, its value (passwords masked) and its source."""
+    from .client import mask_url, redis_url
+    lines = []
+    for o in OPTIONS:
+        value = getattr(settings, o.field)
+        if o.field == "redis_url":
+            value = mask_url(redis_url(value))
+        elif o.field == "queues":
+            value = [f"{n},{w}" if w else n for n, w in value]
+        lines.append(f"{o.name:20} = {value!r:40} # {sources[o.field]}")
+    return "\n".join(lines)
