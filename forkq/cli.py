@@ -41,10 +41,10 @@ def build_parser() -> ArgumentParser:
         names = [o.short, o.flag] if o.short else [o.flag]
         help_ = f"{o.help} [env {o.env}]"
         if o.is_switch:
-            start.add_argument(*names, dest=o.field, action="store_const", const=True, default=None,
+            start.add_argument(*names, dest=o.dest, action="store_const", const=True, default=None,
                                help=help_)
         else:
-            start.add_argument(*names, dest=o.field, type=_flag_type(o), metavar=o.metavar,
+            start.add_argument(*names, dest=o.dest, type=_flag_type(o), metavar=o.metavar,
                                action="append" if o.repeat else "store", default=None, help=help_)
     start.add_argument("--config", metavar="PATH", default=None,
                        help="TOML file: a forkq.toml, or a pyproject.toml with [tool.forkq] "
@@ -118,7 +118,7 @@ def _import(item: str, name: str) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> tuple[Settings, dict[str, str]]:
-    flags = {o.field: getattr(args, o.field) for o in config.OPTIONS}
+    flags = {o.field: getattr(args, o.dest) for o in config.OPTIONS}
     return config.resolve(flags, config_path=args.config or os.environ.get("FORKQ_CONFIG"))
 
 

@@ -88,6 +88,11 @@ class Option:
         return self.flag[2:]
 
     @property
+    def dest(self) -> str:
+        """The argparse attribute: the flag's name, as args.max_memory for --max-memory."""
+        return self.name.replace("-", "_")
+
+    @property
     def env(self) -> str:
         return "FORKQ_" + self.name.upper().replace("-", "_")
 

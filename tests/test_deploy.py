@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from forkq import config
 from forkq.cli import build_parser
 from forkq.supervisor import STOP_GRACE_S
 
@@ -31,9 +32,17 @@ KUBE = ROOT / "deploy" / "kubernetes"
 def parse_cli(argv: list[str], capsys) -> object:
     """forkq's parser on argv (without the program name); a parse error fails the test."""
     try:
-        return build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
     except SystemExit:
         pytest.fail(f"forkq {' '.join(argv)}: {capsys.readouterr().err.strip()}", pytrace=False)
+    if args.command == "start":
+        # unset flags are None until resolved; resolve with no environment and no file, so
+        # what the test reads is what this command line alone would run with
+        settings, _ = config.resolve({o.field: getattr(args, o.dest) for o in config.OPTIONS},
+                                     environ={}, config_path=os.devnull)
+        for o in config.OPTIONS:
+            setattr(args, o.dest, getattr(settings, o.field))
+    return args
 
 
 # =====================================================================================
