@@ -24,7 +24,7 @@ import psutil
 import redis
 import setproctitle
 
-from . import client, hooks, logs
+from . import client, hooks, logs, systemd
 from .fetch import requeue_owner
 from .settings import Settings
 
@@ -83,6 +83,9 @@ class Supervisor:
         self._redis: redis.Redis | None = None
         self._sig_r, self._sig_w = os.pipe()
         self.exit_code = 0
+        self._ready_sent = False
+        self._watchdog_every = systemd.watchdog_interval()
+        self._last_watchdog = 0.0
 
     # -- main loop ----------------------------------------------------------------------
     def run(self) -> int:
@@ -101,6 +104,7 @@ class Supervisor:
             while True:
                 self.spawn_missing()
                 self.set_title()
+                self.notify_systemd()
                 if self.state in ("stopping", "failed") and not self.children:
                     break
                 self.wait_for_events(0.5)
@@ -152,6 +156,7 @@ class Supervisor:
             return
         log.info("stopping children", signal=signal.Signals(signum).name, timeout=self.settings.timeout)
         self.state = "stopping"
+        systemd.stopping(f"stopping {len(self.children)} children")
         self.stop_deadline = time.monotonic() + self.settings.timeout + STOP_GRACE_S
         self.tell_all(signal.SIGTERM)
 
@@ -337,6 +342,7 @@ class Supervisor:
             except OSError:
                 pass
         os.environ["FORKQ_INDEX"] = str(index)
+        systemd.drop_environment()  # only the master speaks to systemd
         s = self.settings
         logs.configure(s.log_level, s.log_format, slot=index)
         setproctitle.setproctitle(f"forkq child {index} {self.app} [0 of {s.concurrency} busy]")
@@ -431,6 +437,25 @@ class Supervisor:
         if title != getattr(self, "_title", None):
             self._title = title
             setproctitle.setproctitle(title)
+            if self._ready_sent:
+                systemd.status(title[len("forkq master "):])
+
+    def notify_systemd(self) -> None:
+        """Type=notify: READY once every slot's child is up, WATCHDOG while all is well."""
+        if (not self._ready_sent and self.state == "running" and len(self.children) == len(self.slots)
+                and all(c.ready for c in self.children.values())):
+            self._ready_sent = True
+            systemd.ready(self._title[len("forkq master "):])
+            log.info("all children up", processes=len(self.slots))
+        now = time.monotonic()
+        if self._watchdog_every and now - self._last_watchdog >= self._watchdog_every and self.healthy(now):
+            self._last_watchdog = now
+            systemd.watchdog()
+
+    def healthy(self, now: float) -> bool:
+        """No slot in a crash loop and every child pinging: what the systemd watchdog vouches for."""
+        return (all(s.failures == 0 for s in self.slots)
+                and all(now - c.last_ping < self.settings.hang_timeout for c in self.children.values()))
 
 
 class ChildStartError(Exception):
