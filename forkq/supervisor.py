@@ -198,6 +198,9 @@ class Supervisor:
             if line.startswith(b"B") and line[1:].isdigit():
                 child.busy = int(line[1:])
                 child.ready = True
+            elif line == b"T":
+                log.info("stop requested through Redis", slot=child.slot, child_pid=child.pid)
+                self.handle_stop(signal.SIGTERM)
             elif line.startswith(b"E"):
                 child.fatal = line[1:].decode("utf-8", "replace")
         return True

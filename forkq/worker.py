@@ -71,7 +71,7 @@ class Worker:
         info = {"tag": s.tag, "concurrency": s.concurrency, "queues": self.manager.fetch.order.names,
                 "weights": [{n: w for n, w in s.queues}], "labels": s.labels, "version": __version__,
                 "embedded": False, "forkq": True, "master": self.master, "slot": self.slot}
-        self.launcher = Launcher(conn, self.identity, self.manager, info, self.command,
+        self.launcher = Launcher(conn, self.identity, self.manager, info, self.remote_command,
                                  s.heartbeat_interval)
         self.scheduler = Scheduler(conn, self.manager.outcomes, s.poll_interval)
         self.manager.start()
@@ -101,6 +101,20 @@ class Worker:
                     self.stopping = True
                 for signum in data:
                     self._handle(signum)
+
+    def remote_command(self, signum: int) -> None:
+        """A signal from this process's `-signals` list in Redis (Sidekiq's Web UI, forkq ctl).
+
+        A child asked to stop passes the request to its master, which stops the whole node:
+        a child stopped on its own would just be respawned in its slot.
+        """
+        if signum in STOP and self.report_fd is not None:
+            try:
+                os.write(self.report_fd, b"T\n")
+                return
+            except OSError:
+                pass  # no master to ask: stop by ourselves
+        self.command(signum)
 
     def _report(self) -> None:
         """Tell the master we are alive (a hung process can't) and how busy we are."""
