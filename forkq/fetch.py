@@ -177,6 +177,7 @@ class Waiters:
         self._armed = threading.Event()
         self._stopping = False
         self._quiet = False
+        self._client_ids: dict[str, int | None] = {}
         self._threads = [threading.Thread(target=self._run, args=(q,), name=f"forkq-wait-{q}",
                                           daemon=True) for q in fetch.order.names]
 
@@ -194,14 +195,25 @@ class Waiters:
         """Claim nothing more: a wait already blocking puts back whatever it catches."""
         self._quiet = True
         self._armed.clear()
+        self._unblock()
 
     def stop(self, timeout: float) -> None:
         """Stop blocking; returns once no BLMOVE is in flight (or the timeout passed)."""
         self._stopping = True
         self._armed.set()
+        self._unblock()
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+
+    def _unblock(self) -> None:
+        """End blocking waits now instead of at their timeout, so a stop takes milliseconds."""
+        for client_id in list(self._client_ids.values()):
+            if client_id is not None:
+                try:
+                    self._fetch.redis.client_unblock(client_id)
+                except Exception:
+                    pass  # Redis unreachable: the wait ends at its socket timeout instead
 
     def _run(self, queue: str) -> None:
         conn = self._connect()
@@ -210,6 +222,11 @@ class Waiters:
             if self._stopping:
                 return
             try:
+                if self._client_ids.get(queue) is None:
+                    # one connection per waiter thread: this id is the one BLMOVE blocks on
+                    self._client_ids[queue] = conn.client_id()
+                if self._stopping or self._quiet:
+                    continue
                 if self._fetch.wait_for(queue, conn):
                     if self._quiet:
                         # a quiet process must not hold a job nobody will start
@@ -218,6 +235,7 @@ class Waiters:
                         self._armed.clear()
                         self._wake()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
+                self._client_ids[queue] = None  # a new connection gets a new id
                 self._on_error(exc)
                 time.sleep(0.5)
             except Exception as exc:
