@@ -117,6 +117,20 @@ def test_long_job_at_stop_goes_back_first_in_line(workers, forkq_client, r, sign
 
 
 @pytest.mark.timeout(30)
+def test_several_interrupted_jobs_go_back_in_their_original_order(workers, forkq_client, r):
+    core_jobs.sleepy.enqueue_many([[30, tag] for tag in "ABCDE"])
+    worker = workers(concurrency=3, timeout=1)
+    wait_records(r, 3, worker, kind="start")
+    assert sorted(rec["args"][0] for rec in records(r, "start")) == ["A", "B", "C"]
+
+    worker.signal(signal.SIGTERM)
+    assert worker.wait_exit(timeout=10) == 0
+    # A, B and C were taken first, so they are first in line again, ahead of D and E
+    assert [j["args"][1] for j in queued(r)] == ["A", "B", "C", "D", "E"]
+    assert _forkq_keys(r) == []
+
+
+@pytest.mark.timeout(30)
 def test_short_job_at_stop_finishes_and_is_not_requeued(workers, forkq_client, r):
     worker = workers(concurrency=2, timeout=10)
     core_jobs.sleepy.enqueue(1, "short")
@@ -376,12 +390,16 @@ def test_stats_count_every_execution(workers, forkq_client, r):
 @pytest.mark.timeout(30)
 def test_sigttin_logs_every_thread_stack(workers):
     worker = workers(concurrency=2)
+    expected = {"MainThread", "forkq-processor-0", "forkq-processor-1", "forkq-fetcher",
+                "forkq-heartbeat"}
+
+    def dumps():
+        worker.assert_alive()
+        found = [json.loads(line) for line in worker.log_path.read_text().splitlines()
+                 if line.startswith("{") and "thread dump" in line]
+        return found if expected <= {d.get("thread") for d in found} else None
+
     worker.signal(signal.SIGTTIN)
-    text = wait_until(lambda: "forkq-processor-1" in worker.log_path.read_text()
-                      and worker.log_path.read_text(), timeout=5, message="thread dump in the log")
-    dumps = [json.loads(line) for line in text.splitlines()
-             if line.startswith("{") and "thread dump" in line]
-    threads = {d["thread"] for d in dumps}
-    assert {"MainThread", "forkq-processor-0", "forkq-processor-1", "forkq-fetcher"} <= threads
-    assert all("File " in d["stack"] for d in dumps)
+    found = wait_until(dumps, timeout=5, message=f"a thread dump of {sorted(expected)} in the log")
+    assert all("File " in d["stack"] for d in found)
     worker.assert_alive()  # TTIN only dumps; the worker keeps running
