@@ -21,6 +21,8 @@ from .settings import Settings
 
 
 def positive_int(text: Any) -> int:
+    if isinstance(text, bool):  # a TOML true is a bool, and a bool is an int
+        raise ValueError(f"must be a whole number, not {text!r}")
     try:
         value = int(text)
     except (TypeError, ValueError):
@@ -31,6 +33,8 @@ def positive_int(text: Any) -> int:
 
 
 def positive_float(text: Any) -> float:
+    if isinstance(text, bool):
+        raise ValueError(f"must be a number, not {text!r}")
     try:
         value = float(text)
     except (TypeError, ValueError):
