@@ -86,6 +86,7 @@ class Option:
     repeat: bool = False              # repeatable flag; whitespace-separated in env; list in a file
     is_switch: bool = False
     metavar: str | None = None
+    nonempty: bool = False            # a repeatable setting that may not be an empty list
 
     @property
     def name(self) -> str:
@@ -107,7 +108,7 @@ OPTIONS = [
     Option("--processes", "processes", positive_int, "child processes to fork (default: CPU count)", "-p"),
     Option("--concurrency", "concurrency", positive_int, "processor threads per process (default 10)", "-c"),
     Option("--queue", "queues", queue, "queue to work, NAME or NAME,WEIGHT (repeatable; default: default)",
-           "-q", repeat=True, metavar="NAME[,WEIGHT]"),
+           "-q", repeat=True, metavar="NAME[,WEIGHT]", nonempty=True),
     Option("--timeout", "timeout", positive_float, "seconds running jobs get to finish at stop (default 25)", "-t"),
     Option("--redis-url", "redis_url", text, "Redis URL (default redis://127.0.0.1:6379/0)"),
     Option("--no-fork", "no_fork", switch, "run one worker in this process, without a master", is_switch=True),
@@ -198,6 +199,8 @@ def resolve(flags: dict[str, Any], environ: dict[str, str] | None = None,
 def _parse(o: Option, raw: Any, where: str) -> Any:
     try:
         if o.repeat:
+            if o.nonempty and not raw:
+                raise ValueError(f"needs at least one {o.metavar or 'value'}, not an empty list")
             return [o.parse(v) for v in raw]
         return o.parse(raw)
     except ValueError as exc:
