@@ -161,9 +161,14 @@ def read_file(path: str | None) -> tuple[dict[str, Any], str | None]:
         section = data
     if not isinstance(section, dict):
         raise ConfigError(f"{path}: [tool.forkq] must be a table")
+    seen: dict[Option, str] = {}
     for key in section:
         if key not in BY_KEY:
             raise ConfigError(f"{path}: unknown setting {key!r} (known: {', '.join(o.name for o in OPTIONS)})")
+        if BY_KEY[key] in seen:
+            raise ConfigError(f"{path}: {seen[BY_KEY[key]]!r} and {key!r} are the same setting "
+                              f"({BY_KEY[key].flag}); give it once")
+        seen[BY_KEY[key]] = key
     return section, path
 
 
