@@ -152,6 +152,10 @@ def read_file(path: str | None) -> tuple[dict[str, Any], str | None]:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
+    except OSError as exc:  # a directory, no permission...
+        raise ConfigError(f"--config {path}: cannot read it: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 at byte {exc.start}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     section = data.get("tool", {}).get("forkq") if isinstance(data.get("tool"), dict) else None
