@@ -200,7 +200,7 @@ def resolve(flags: dict[str, Any], environ: dict[str, str] | None = None,
             raw = by_option[o]
             if o.repeat and not isinstance(raw, list):
                 raw = [raw]
-            setattr(settings, o.field, _parse(o, raw, f"{file_name}: {o.name} = {raw!r}"))
+            setattr(settings, o.field, _parse(o, raw, f"{file_name}: {o.name} = {_shown(o, raw)}"))
             sources[o.field] = file_name or "file"
     return settings, sources
 
@@ -213,7 +213,19 @@ def _parse(o: Option, raw: Any, where: str) -> Any:
             return [o.parse(v) for v in raw]
         return o.parse(raw)
     except ValueError as exc:
+        if o.field == "redis_url":  # the parser's message would repeat the value, password and all
+            exc = ValueError(f"must be a string, not {_shown(o, raw)}")
         raise ConfigError(f"{where}: {o.flag} {exc}") from None
+
+
+def _shown(o: Option, raw: Any) -> str:
+    """The value as an error message may show it: nothing of a Redis URL's password."""
+    if o.field != "redis_url":
+        return repr(raw)
+    if isinstance(raw, str):
+        from .client import mask_url
+        return repr(mask_url(raw))
+    return f"a TOML {type(raw).__name__}"
 
 
 def describe(settings: Settings, sources: dict[str, str]) -> str:
