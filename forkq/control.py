@@ -23,6 +23,20 @@ log = logs.get("forkq.control")
 
 
 def default_pidfile() -> str:
+    """Where `start` puts its pidfile when not told, so where `ctl` looks: $FORKQ_PIDFILE,
+    else `pidfile` in the configuration file `start` reads ($FORKQ_CONFIG, else
+    ./pyproject.toml's [tool.forkq]), else /tmp/forkq.pid."""
+    if os.environ.get("FORKQ_PIDFILE"):
+        return os.environ["FORKQ_PIDFILE"]
+    from . import config
+    values, _ = config.read_file(os.environ.get("FORKQ_CONFIG"))
+    for key, value in values.items():
+        if config.BY_KEY[key].field == "pidfile" and isinstance(value, str) and value:
+            return value
+    return _fallback_pidfile()
+
+
+def _fallback_pidfile() -> str:
     return os.environ.get("FORKQ_PIDFILE") or os.path.join(tempfile.gettempdir(), "forkq.pid")
 
 
@@ -33,7 +47,8 @@ def pidfile(path: str | None) -> Iterator[str | None]:
     A pidfile naming another live forkq master is left alone (with a warning), so two
     masters on one host don't fight over the default path; give each its own --pidfile.
     """
-    path = path or default_pidfile()
+    # start resolved flag > env > file already: only the built-in default is left
+    path = path or _fallback_pidfile()
     other = read_pid(path)
     if other is not None and other != os.getpid() and _is_forkq_master(other):
         log.warning("pidfile belongs to another running forkq master; not writing it",
