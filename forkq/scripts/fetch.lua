@@ -18,6 +18,21 @@ if nacks > 0 then
 end
 local names = 4 + nacks
 local out, fields = {}, {}
+-- The same call sent again (redis-py retries a command whose reply was lost, e.g. when
+-- Redis went down just after running it): the first run's claims are under our tokens and
+-- nobody has them yet. Hand those over; claiming afresh would overwrite them and lose them.
+if want > 0 and redis.call('HEXISTS', hash, tostring(token)) == 1 then
+  for t = token, token + want - 1 do
+    local v = redis.call('HGET', hash, tostring(t))
+    if v then
+      local cut = string.find(v, "\n", 1, true)
+      out[#out + 1] = tostring(t)
+      out[#out + 1] = string.sub(v, 1, cut - 1)
+      out[#out + 1] = string.sub(v, cut + 1)
+    end
+  end
+  return out
+end
 local n = 0
 for i = 2, #KEYS do
   if n >= want then break end
