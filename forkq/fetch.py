@@ -51,6 +51,9 @@ class ReliableFetch:
         self._next_token = 1
         self._acks: deque[str] = deque()
         self._landed: set[str] = set()
+        # token ranges (first, count) of fetch calls that failed: the script may have run
+        # and claimed jobs whose reply never arrived (Redis went down right after it)
+        self._uncertain: list[tuple[int, int]] = []
 
     # -- registry -------------------------------------------------------------------
     def register(self) -> None:
@@ -62,6 +65,8 @@ class ReliableFetch:
     # -- claiming -------------------------------------------------------------------
     def fetch(self, want: int) -> list[Unit]:
         """Claim up to `want` jobs and send pending acks, in one round trip."""
+        if self._uncertain:
+            self.recover_uncertain()
         acks = self._take_acks(4000)
         landed = [q for q in self.order.names if q in self._landed]
         self._landed.difference_update(landed)
@@ -78,6 +83,8 @@ class ReliableFetch:
             # was not drained must be drained next time too
             self._acks.extendleft(reversed(acks))
             self._landed.update(landed)
+            if want > 0:
+                self._uncertain.append((first, want))
             raise
         units = [Unit(flat[i].decode(), flat[i + 1].decode(), flat[i + 2])
                  for i in range(0, len(flat), 3)]
@@ -86,10 +93,32 @@ class ReliableFetch:
             self._landed.update(landed)
         return units
 
+    def recover_uncertain(self) -> int:
+        """Put back jobs that failed fetch calls claimed without our knowing.
+
+        Those jobs sit in the in-flight hash under tokens only this process could have
+        used, with no processor holding them: without this they would wait there until
+        the process stops. Tokens the script never claimed are simply absent.
+        """
+        tokens = [str(t) for first, count in self._uncertain for t in range(first, first + count)]
+        returned = 0
+        for i in range(0, len(tokens), 4000):
+            returned += int(self._requeue_tokens(keys=[self.inflight_key], args=tokens[i:i + 4000]))
+        self._uncertain.clear()
+        if returned:
+            log.warning("jobs claimed by a fetch whose reply was lost are back on their queues",
+                        count=returned)
+        return returned
+
     def wait_for(self, queue: str, conn: redis.Redis) -> bool:
         """Block until a job arrives on `queue` (moving it into our landing list)."""
-        got = conn.blmove(keys.queue(queue), self._landing_keys[queue], self.block_timeout,
-                          "RIGHT", "LEFT")
+        try:
+            got = conn.blmove(keys.queue(queue), self._landing_keys[queue], self.block_timeout,
+                              "RIGHT", "LEFT")
+        except Exception:
+            # the move may have happened with its reply lost: drain the landing list anyway
+            self._landed.add(queue)
+            raise
         if got is not None:
             self._landed.add(queue)
             return True
@@ -238,6 +267,7 @@ class Waiters:
                 self._client_ids[queue] = None  # a new connection gets a new id
                 self._on_error(exc)
                 time.sleep(0.5)
+                self._wake()  # the fetcher drains a landing list the lost reply left filled
             except Exception as exc:
                 # OOM, READONLY after a failover...: a waiter that died here would leave
                 # its queue unwatched for good, so the idle worker never saw new jobs
