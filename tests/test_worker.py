@@ -9,13 +9,19 @@ import json
 import re
 import signal
 import socket
+import threading
 import time
 from collections import Counter
 from datetime import datetime, timezone
 
 import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 import forkq
+from forkq.fetch import ReliableFetch
+from forkq.queues import QueueOrder
 from corekit import (UnixSocketRedis, core_jobs, forkq_client, queued, records,  # noqa: F401
                      seen, wait_records, workers)
 from helpers import wait_until
@@ -229,7 +235,20 @@ def _run_through(own_redis, workers, redis_url, r, monkeypatch, disrupt, n=200):
     wait_records(r, 20, worker, kind="end")
     disrupt()
     assert len(records(r, "end")) < n, "the jobs all ended before the disruption was over"
-    ended = wait_records(r, n, worker, kind="end", timeout=30)
+    try:
+        ended = wait_records(r, n, worker, kind="end", timeout=30)
+    except AssertionError as exc:
+        missing = set(range(n)) - {rec["args"][0] for rec in records(r, "end")}
+        conn = own_redis.client()
+        try:
+            state = {k.decode(): conn.type(k).decode() for k in conn.keys("*")}
+            inflight = conn.hgetall(f"forkq:inflight:{worker.identity}")
+            landing = {k.decode(): conn.lrange(k, 0, -1) for k in conn.keys("forkq:landing:*")}
+        finally:
+            conn.close()
+        raise AssertionError(f"{exc}\nmissing: {sorted(missing)}\nkeys: {state}\n"
+                             f"in flight: {inflight}\nlanding: {landing}\n"
+                             f"worker log:\n{worker.log_tail(60)}") from None
     ids = Counter(rec["args"][0] for rec in ended)
     assert set(ids) == set(range(n)), f"lost: {sorted(set(range(n)) - set(ids))}"
     worker.assert_alive()
@@ -271,6 +290,61 @@ def test_worker_started_while_redis_is_down_begins_once_it_is_up(own_redis, work
         conn.close()
     core_jobs.record.options(client=forkq.Client(own_redis.url)).enqueue("after boot")
     wait_records(r, 1, worker, kind="record")
+
+
+@pytest.mark.timeout(30)
+def test_a_fetch_sent_again_after_a_lost_reply_claims_nothing_twice(own_redis):
+    """redis-py resends a command whose reply timed out. If the first copy ran, the copy
+    must hand over its claims, not claim new jobs under the same tokens (losing the first)."""
+    forkq.Client(own_redis.url).push_bulk("Any", [[i] for i in range(6)])
+    conn = redis.Redis(host="127.0.0.1", port=own_redis.port, socket_timeout=0.3,
+                       retry=Retry(NoBackoff(), 4))
+    admin = own_redis.client()
+    fetch = ReliableFetch(conn, "test:1:000000000000", QueueOrder([("default", 0)]))
+    try:
+        fetch.fetch(0)  # loads the script, so the copies stuck in the pause are runnable
+        own_redis.pause()
+        resume = threading.Timer(0.7, own_redis.resume)  # while redis-py is still retrying
+        resume.start()
+        try:
+            units = fetch.fetch(2)
+        finally:
+            resume.join()
+        # every copy that reached Redis ran once it resumed: still just the first two claimed
+        assert [json.loads(u.raw)["args"] for u in units] == [[0], [1]]
+        assert admin.hlen(fetch.inflight_key) == 2
+        assert admin.llen("queue:default") == 4
+        assert fetch.recover_uncertain() == 0
+    finally:
+        conn.close()
+        admin.close()
+
+
+@pytest.mark.timeout(30)
+def test_jobs_claimed_by_a_fetch_that_failed_are_put_back(own_redis):
+    """All retries failed, but the script ran: those claims go back to the queue."""
+    forkq.Client(own_redis.url).push_bulk("Any", [[i] for i in range(4)])
+    conn = redis.Redis(host="127.0.0.1", port=own_redis.port, socket_timeout=0.3,
+                       retry=Retry(NoBackoff(), 0))
+    admin = own_redis.client()
+    fetch = ReliableFetch(conn, "test:1:000000000000", QueueOrder([("default", 0)]))
+    try:
+        fetch.fetch(0)
+        own_redis.pause()
+        try:
+            with pytest.raises(redis.TimeoutError):
+                fetch.fetch(3)
+        finally:
+            own_redis.resume()
+        # the copy sent before the timeout still ran: three jobs held, nobody running them
+        wait_until(lambda: admin.hlen(fetch.inflight_key) == 3, timeout=5,
+                   message="the timed-out fetch's claims")
+        units = fetch.fetch(4)  # puts them back first, then claims in the original order
+        assert [json.loads(u.raw)["args"] for u in units] == [[0], [1], [2], [3]]
+        assert admin.hlen(fetch.inflight_key) == 4
+    finally:
+        conn.close()
+        admin.close()
 
 
 @pytest.mark.timeout(60)
