@@ -95,7 +95,11 @@ def find_master(path: str | None) -> int:
     if pid is None:
         raise ConfigError(f"no forkq master: pidfile {path} is missing or empty "
                           "(start with --pidfile, or pass the same --pidfile here)")
-    if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+    try:
+        running = psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # it exited just now
+        running = False
+    if not running:
         raise ConfigError(f"stale pidfile {path}: process {pid} is not running")
     if not _is_forkq_master(pid):
         raise ConfigError(f"stale pidfile {path}: process {pid} is not a forkq master")
@@ -170,8 +174,12 @@ def children_of(master_pid: int, conn: redis.Redis) -> list[dict[str, Any]]:
         info = hb["info"]
         if info.get("hostname") == host and isinstance(info.get("pid"), int):
             by_pid[info["pid"]] = hb
+    try:
+        children = psutil.Process(master_pid).children()
+    except psutil.NoSuchProcess:  # exited since find_master() saw it
+        raise ConfigError(f"master {master_pid} has exited") from None
     rows = []
-    for child in psutil.Process(master_pid).children():
+    for child in children:
         try:
             rss_mb = child.memory_info().rss / 1_048_576
         except psutil.Error:
