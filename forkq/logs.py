@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -24,6 +25,28 @@ def _add_process(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, A
     event["pid"] = os.getpid()
     if _slot is not None:
         event["slot"] = _slot
+    return event
+
+
+_job = threading.local()
+
+
+def set_job(jid: Any, name: str, queue: str) -> None:
+    """Mark this thread as running a job: every line it logs carries jid, class and queue."""
+    _job.current = (jid, name, queue)
+
+
+def clear_job() -> None:
+    _job.current = None
+
+
+def _add_job(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+    # a thread-local read, not structlog's contextvars: this runs for every job
+    current = getattr(_job, "current", None)
+    if current is not None:
+        event.setdefault("jid", current[0])
+        event.setdefault("class", current[1])
+        event.setdefault("queue", current[2])
     return event
 
 
@@ -64,6 +87,7 @@ def configure(level: str = "info", fmt: str | None = None, slot: int | None = No
             structlog.processors.add_log_level,
             _timestamp,
             _add_process,
+            _add_job,
             structlog.processors.format_exc_info,
             renderer,
         ],

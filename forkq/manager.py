@@ -72,7 +72,8 @@ class Manager:
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
-        self.write(self.fetch.register)
+        # registering needs Redis, so it happens on the fetch thread: with Redis down at
+        # boot, the main thread must still be free to act on a stop signal
         for p in self.processors:
             p.start()
         self.waiters.start()
@@ -121,14 +122,16 @@ class Manager:
             self._idle += 1
         self._wake.set()
 
-    def write(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run a Redis write, riding out an outage with backoff; gives up at a hard stop."""
+    def write(self, fn: Callable[..., Any], *args: Any, patience: float | None = None) -> Any:
+        """Run a Redis write, riding out an outage with backoff; gives up at a hard stop, or
+        after `patience` seconds when what it writes has a later chance (the final requeue)."""
         delay = 0.05
+        give_up = None if patience is None else time.monotonic() + patience
         while True:
             try:
                 result = fn(*args)
             except REDIS_ERRORS as exc:
-                if self.hard_stopped:
+                if self.hard_stopped or (give_up is not None and time.monotonic() > give_up):
                     raise
                 self.health.failed(exc)
                 time.sleep(delay)
@@ -141,7 +144,26 @@ class Manager:
     def _wake_fetcher(self) -> None:
         self._wake.set()
 
+    def _register(self) -> bool:
+        """Enter the owners registry before the first claim; False if stopped first."""
+        delay = 0.05
+        while not self.quiet_flag:
+            try:
+                self.fetch.register()
+            except REDIS_ERRORS as exc:
+                self.health.failed(exc)
+                self._wake.wait(delay)
+                self._wake.clear()
+                delay = min(delay * 2, 2.0)
+                continue
+            self.health.ok()
+            return True
+        return False
+
     def _fetch_loop(self) -> None:
+        if not self._register():
+            self._give_back_unstarted()
+            return
         delay = 0.05
         while not self.quiet_flag:
             self._wake.clear()
@@ -184,17 +206,18 @@ class Manager:
                 unstarted.append(u)
         # landed jobs arrived after the claimed ones: back first, so the claimed end up ahead
         try:
-            self.write(self.fetch.give_back_all_landed)
+            self.write(self.fetch.give_back_all_landed, patience=2.0)
         except Exception:
             log.exception("could not return landed jobs; they stay private until the final requeue")
         if unstarted:
             try:
-                self.write(self.fetch.requeue, unstarted)
+                self.write(self.fetch.requeue, unstarted, patience=2.0)
             except Exception:
                 log.exception("could not return unstarted jobs; they stay in flight for the final requeue")
-        try:
-            self.write(self.fetch.flush_acks)
-        except Exception:
-            log.exception("could not flush acks; those jobs may run once more")
+        if self.fetch.pending_acks():
+            try:
+                self.write(self.fetch.flush_acks, patience=2.0)
+            except Exception:
+                log.warning("could not flush acks now; the final requeue flushes them first")
         for _ in self.processors:
             self._handoff.put(None)

@@ -52,9 +52,16 @@ class Processor:
         jobdef = lookup(name)
         self.current = (unit.queue, unit.raw, time.time())
         self.processed += 1
+        logs.set_job(job.get("jid"), payload.display_name(job), unit.queue)
+        try:
+            return self._perform(unit, job, name, jobdef)
+        finally:
+            logs.clear_job()
+
+    def _perform(self, unit: Unit, job: dict[str, Any], name: str, jobdef: Any) -> bool:
         started = time.perf_counter()
         if self._log_jobs:
-            log.info("start", jid=job.get("jid"), **{"class": payload.display_name(job)}, queue=unit.queue)
+            log.info("start")
         try:
             if jobdef is None:
                 raise UnknownJob(f"no job named {name!r} is registered in this worker "
@@ -82,14 +89,12 @@ class Processor:
                 log.exception("could not record a failure; the job stays in flight and will run again",
                               jid=job.get("jid"))
                 return False
-            log.warning("fail", jid=job.get("jid"), **{"class": payload.display_name(job)},
-                        queue=unit.queue, elapsed_ms=round(elapsed, 2), fate=fate,
+            log.warning("fail", elapsed_ms=round(elapsed, 2), fate=fate,
                         error=f"{type(exc).__name__}: {exc}")
             return False  # the outcome write already released the in-flight entry
         self.current = None
         if self._log_jobs:
-            log.info("done", jid=job.get("jid"), **{"class": payload.display_name(job)}, queue=unit.queue,
-                     elapsed_ms=round((time.perf_counter() - started) * 1000, 2))
+            log.info("done", elapsed_ms=round((time.perf_counter() - started) * 1000, 2))
         return True
 
     def _run(self, fn: Callable[..., Any], job: dict[str, Any], queue: str) -> Any:
