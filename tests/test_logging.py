@@ -1,0 +1,83 @@
+"""Log lines: JSON with pid, and inside a job the jid, class and queue, even for app code."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import forkq
+from helpers import free_port, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+APP = REPO / "tests" / "apps" / "logging_jobs.py"
+
+
+def _start(url: str, log: Path, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, FORKQ_REDIS_URL=url, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-m", "forkq", "start", "--require", str(APP),
+                             "--log-format", "json", *extra],
+                            env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _lines(log: Path) -> list[dict]:
+    out = []
+    for line in log.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_app_log_lines_inside_a_job_carry_jid_class_queue_pid_and_slot(redis_url, tmp_path):
+    log = tmp_path / "forkq.log"
+    proc = _start(redis_url, log, "--processes", "1", "--concurrency", "2",
+                  "--pidfile", str(tmp_path / "pid"))
+    try:
+        jid = forkq.Client(redis_url).push("logging.chatty", [7])
+        line = wait_until(lambda: next((x for x in _lines(log) if x.get("event") == "inside the job"), None),
+                          timeout=20, message="the job's own log line never appeared")
+        assert line["jid"] == jid and line["class"] == "logging.chatty" and line["queue"] == "default"
+        assert line["x"] == 7 and line["slot"] == 0 and isinstance(line["pid"], int)
+        done = wait_until(lambda: next((x for x in _lines(log) if x.get("event") == "done"), None), timeout=10)
+        assert done["jid"] == jid and "elapsed_ms" in done
+        # a line logged after the job (the next heartbeat or stop) carries no job fields
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        after = [x for x in _lines(log) if x.get("event") in ("worker stopped", "master stopped")]
+        assert after and all("jid" not in x for x in after)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", [["--no-fork"], ["--processes", "1"]])
+def test_stop_works_while_redis_is_unreachable(mode, tmp_path):
+    """A worker booted against a Redis that is not there still obeys TERM and exits 0."""
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens here
+    log = tmp_path / "forkq.log"
+    proc = _start(url, log, *mode, "--pidfile", str(tmp_path / "pid"))
+    try:
+        # the fetcher's line: by then the worker (and in a child, its master) acts on signals
+        wait_until(lambda: any("fetching paused" in x.get("event", "") for x in _lines(log)), timeout=20,
+                   message="no line saying fetching is paused")
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(45) == 0
+        assert time.monotonic() - started < 40
+        assert not any("Redis is back" in x.get("event", "") for x in _lines(log))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
