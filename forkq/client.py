@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis
 
@@ -28,18 +28,16 @@ def redis_url(url: str | None = None) -> str:
 
 
 def mask_url(url: str) -> str:
-    """The URL with any password replaced, fit for logs and status output."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:  # e.g. an unclosed "[" in an IPv6 host: mask whatever sits before "@"
-        return re.sub(r"(//[^:/@]*:)[^/]*@", r"\1***@", url)
-    if parts.password is None:
-        return url
-    # Rebuild from the raw netloc: parts.port raises on a bad port, and the URL being
-    # masked is often a bad one that an error message is about to show.
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    user = userinfo.partition(":")[0]
-    return urlunsplit((parts.scheme, f"{user}:***@{hostport}", parts.path, parts.query, parts.fragment))
+    """The URL with any password replaced (in the userinfo or a password= query
+    parameter, both of which redis-py accepts), fit for logs and status output.
+
+    Done on the text rather than by parsing, so a malformed URL (the kind an error
+    message is about to show) is masked too and nothing else in it changes."""
+    return _mask_query(re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:@/]*:)[^@/]*@", r"\1***@", url))
+
+
+def _mask_query(text: str) -> str:
+    return re.sub(r"((?:^|[?&])password=)[^&#]*", r"\1***", text)
 
 
 def connect(url: str | None = None, **options: Any) -> redis.Redis:

@@ -184,7 +184,8 @@ class Supervisor:
 
     # -- children -------------------------------------------------------------------------
     def read_report(self, child: Child) -> bool:
-        """Read what the child wrote: "B<busy>" pings, or "E<error>" before it dies."""
+        """Read what the child wrote: "B<busy>" pings, "Q"/"T" quiet or stop asked through
+        Redis, or "E<error>" before it dies."""
         try:
             data = os.read(child.report_r, 4096)
         except (BlockingIOError, InterruptedError):
@@ -198,6 +199,10 @@ class Supervisor:
             if line.startswith(b"B") and line[1:].isdigit():
                 child.busy = int(line[1:])
                 child.ready = True
+            elif line == b"Q":
+                if self.state == "running":
+                    log.info("quiet requested through Redis", slot=child.slot, child_pid=child.pid)
+                    self.handle_quiet()
             elif line == b"T":
                 log.info("stop requested through Redis", slot=child.slot, child_pid=child.pid)
                 self.handle_stop(signal.SIGTERM)

@@ -114,6 +114,13 @@ class Worker:
                 return
             except OSError:
                 pass  # no master to ask: stop by ourselves
+        if signum == signal.SIGTSTP and self.report_fd is not None:
+            # quiet here at once (the heartbeat shows it), and make the master quiet too, or
+            # a replacement for a child that dies would start taking jobs again
+            try:
+                os.write(self.report_fd, b"Q\n")
+            except OSError:
+                pass
         self.command(signum)
 
     def _report(self) -> None:

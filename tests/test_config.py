@@ -443,8 +443,6 @@ def test_bad_redis_url_value_in_a_file_does_not_show_the_password(tmp_path, star
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.xfail(strict=True, reason="client.mask_url masks only the userinfo password; redis-py also "
-                                       "takes ?password= from the query string, and that is printed")
 def test_print_config_masks_a_password_given_in_the_query_string(tmp_path, start_inproc):
     out = start_inproc(env={"FORKQ_REDIS_URL": f"redis://127.0.0.1:6399/0?password={SECRET}"})
     parse_config(out)
