@@ -298,7 +298,7 @@ def test_a_fetch_sent_again_after_a_lost_reply_claims_nothing_twice(own_redis):
     must hand over its claims, not claim new jobs under the same tokens (losing the first)."""
     forkq.Client(own_redis.url).push_bulk("Any", [[i] for i in range(6)])
     conn = redis.Redis(host="127.0.0.1", port=own_redis.port, socket_timeout=0.3,
-                       retry=Retry(NoBackoff(), 4))
+                       retry=Retry(NoBackoff(), 8))  # attempts for ~2.7 s: resume lands in one
     admin = own_redis.client()
     fetch = ReliableFetch(conn, "test:1:000000000000", QueueOrder([("default", 0)]))
     try:
