@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -90,6 +91,8 @@ class Outcomes:
         self.redis = client
         self.inflight_key = inflight_key
         self._to_dead = scripts.load(client, "to_dead")
+        # token -> (fate, write) of failures whose write has not succeeded yet
+        self._plans: dict[str, tuple[str, Callable[[str], None]]] = {}
 
     def to_dead(self, job: dict[str, Any], token: str | bytes | None, now: float | None = None,
                 source: str | None = None, kind: str = "hash") -> None:
@@ -109,34 +112,51 @@ class Outcomes:
 
     def failed(self, job: dict[str, Any], exc: BaseException, token: str,
                jobdef: "Job | None") -> str:
-        """Route a failed job; returns what was done: retry, dead, discarded or dropped."""
+        """Route a failed job; returns what was done: retry, dead, discarded or dropped.
+
+        The caller retries this call while Redis is unreachable, so the decision (stamping
+        the error fields, running the hooks) is made once per failure and kept until its
+        write succeeds: a retried write must not count the failure again.
+        """
+        plan = self._plans.get(token)
+        if plan is None:
+            plan = self._plans[token] = self._plan(job, exc, jobdef)
+        fate, write = plan
+        try:
+            write(token)
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise  # the same plan is written when the caller tries again
+        except BaseException:
+            self._plans.pop(token, None)
+            raise
+        self._plans.pop(token, None)
+        return fate
+
+    def _plan(self, job: dict[str, Any], exc: BaseException,
+              jobdef: "Job | None") -> tuple[str, Callable[[str], None]]:
         now = time.time()
         limit = max_retries(job)
         if job.get("retry") is False:
-            self.drop(token)
-            return "dropped"
+            return "dropped", self.drop
         record_failure(job, exc, now)
         count = job["retry_count"]
         if count < limit:
             decision = self._decide(jobdef, count, exc)
             if decision == "discard":
-                self.drop(token)
-                return "discarded"
+                return "discarded", self.drop
             if decision != "kill":
                 if type(job.get("retry_queue")) is str:
                     job["queue"] = job["retry_queue"]
-                self.to_retry(job, token, now + decision)
-                return "retry"
+                at = now + decision
+                return "retry", lambda token: self.to_retry(job, token, at)
         elif jobdef is not None and jobdef.exhausted_hook is not None:
             try:
                 jobdef.exhausted_hook(job, exc)
             except Exception:  # a broken hook must not lose the job: it still goes dead
                 pass
         if job.get("dead") is False:
-            self.drop(token)
-            return "dropped"
-        self.to_dead(job, token, now)
-        return "dead"
+            return "dropped", self.drop
+        return "dead", lambda token: self.to_dead(job, token, now)
 
     @staticmethod
     def _decide(jobdef: "Job | None", count: int, exc: BaseException) -> float | str:
