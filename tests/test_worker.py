@@ -348,6 +348,30 @@ def test_jobs_claimed_by_a_fetch_that_failed_are_put_back(own_redis):
 
 
 @pytest.mark.timeout(60)
+def test_a_failure_recorded_while_redis_is_down_is_recorded_once(own_redis, workers, redis_url,
+                                                                 r, monkeypatch):
+    monkeypatch.setenv("CORE_RECORD_URL", redis_url)
+    worker = workers(url=own_redis.url, concurrency=1)
+    client = forkq.Client(own_redis.url)
+    jid = core_jobs.fail_after.options(client=client).enqueue(0.5, "x")
+    wait_records(r, 1, worker, kind="start")
+    own_redis.stop()
+    wait_records(r, 1, worker, kind="fail")  # it raised: its outcome cannot be written now
+    time.sleep(1.5)  # the outage being simulated: the worker keeps retrying the write
+    own_redis.start()
+
+    conn = own_redis.client()
+    try:
+        wait_until(lambda: conn.zcard("retry") == 1, timeout=10, message="the failure in retry")
+        (raw,) = conn.zrange("retry", 0, -1)
+    finally:
+        conn.close()
+    job = json.loads(raw)
+    assert job["jid"] == jid
+    assert job["retry_count"] == 0 and "retried_at" not in job  # one failure, not one per try
+
+
+@pytest.mark.timeout(60)
 def test_an_idle_worker_notices_jobs_again_after_redis_refused_writes(own_redis, workers,
                                                                        redis_url, r, monkeypatch):
     """maxmemory reached (noeviction): BLMOVE is refused with OOM for a while."""

@@ -165,3 +165,11 @@ def fail_surrogate(tag):
     note("fail", tag)
     name = b"bad-\xff".decode("utf-8", "surrogateescape")  # 'bad-\udcff'
     raise FileNotFoundError("no such file: " + name)
+
+
+@forkq.job(retries_exhausted=_exhausted)
+def fail_after(seconds, tag):
+    note("start", tag)
+    time.sleep(seconds)
+    note("fail", tag)
+    raise ValueError(f"late {tag}")
