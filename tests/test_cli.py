@@ -9,8 +9,6 @@ import pytest
 from corekit import CORE_JOBS, REPO_ROOT, CoreWorker, core_jobs, forkq_client  # noqa: F401
 from corekit import wait_records
 
-import forkq
-
 
 def _forkq(args, env_url, timeout=20):
     env = dict(os.environ)

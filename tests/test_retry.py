@@ -11,7 +11,7 @@ import time
 import pytest
 
 import forkq
-from corekit import (core_jobs, forkq_client, queued, records, seen, wait_records,  # noqa: F401
+from corekit import (core_jobs, forkq_client, records, seen, wait_records,  # noqa: F401
                      wait_zset, workers, zset)
 from forkq.payload import decode_backtrace
 from helpers import wait_until
