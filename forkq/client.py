@@ -33,7 +33,8 @@ def mask_url(url: str) -> str:
 
     Done on the text rather than by parsing, so a malformed URL (the kind an error
     message is about to show) is masked too and nothing else in it changes."""
-    return _mask_query(re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:@/]*:)[^@/]*@", r"\1***@", url))
+    # the password runs to the LAST "@" before the path: a raw "@" in it must not leak a tail
+    return _mask_query(re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:@/?#]*:)[^/?#]*@", r"\1***@", url))
 
 
 def _mask_query(text: str) -> str:

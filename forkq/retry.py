@@ -24,8 +24,17 @@ def backoff(count: int) -> float:
     return count ** 4 + 15 + random.randrange(10) * (count + 1)
 
 
-def max_retries(job: dict[str, Any]) -> int:
-    retry = job.get("retry", True)
+def retry_option(job: dict[str, Any], jobdef: "Job | None" = None) -> Any:
+    """The payload's `retry`; a payload without one (pushed by a bare Sidekiq-format client)
+    takes the registered job's option, and an unknown job keeps Sidekiq's default of
+    retrying, since its code may be on the way in a rolling deploy."""
+    if "retry" in job:
+        return job["retry"]
+    return jobdef.retry if jobdef is not None else True
+
+
+def max_retries(job: dict[str, Any], jobdef: "Job | None" = None) -> int:
+    retry = retry_option(job, jobdef)
     if retry is True:
         return DEFAULT_MAX_RETRIES
     if retry is False or retry is None:
@@ -135,8 +144,8 @@ class Outcomes:
     def _plan(self, job: dict[str, Any], exc: BaseException,
               jobdef: "Job | None") -> tuple[str, Callable[[str], None]]:
         now = time.time()
-        limit = max_retries(job)
-        if job.get("retry") is False:
+        limit = max_retries(job, jobdef)
+        if retry_option(job, jobdef) is False:
             return "dropped", self.drop
         record_failure(job, exc, now)
         count = job["retry_count"]
