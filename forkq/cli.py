@@ -59,6 +59,8 @@ def build_parser() -> ArgumentParser:
                          ("check", "exit 0 if the master and every child heartbeat are healthy")):
         p = ctl_sub.add_parser(action, help=text)
         p.add_argument("--pidfile", default=None, help="the master's pidfile (default: start's default)")
+        p.add_argument("--config", metavar="PATH", default=None,
+                       help="the TOML file start was given, for its pidfile and redis-url [env FORKQ_CONFIG]")
         if action in ("quiet", "stop"):
             target = p.add_mutually_exclusive_group()
             target.add_argument("--identity", help="signal this process through Redis instead")
@@ -153,6 +155,13 @@ def ctl(args: argparse.Namespace) -> int:
     import signal
 
     from . import control
+    if args.config:
+        # read the same file start read: control.default_pidfile() looks there, and so
+        # does the Redis URL below
+        os.environ["FORKQ_CONFIG"] = args.config
+    settings, _ = config.resolve({}, config_path=os.environ.get("FORKQ_CONFIG"))
+    if settings.redis_url:
+        os.environ.setdefault("FORKQ_REDIS_URL", settings.redis_url)
     remote = getattr(args, "identity", None) or getattr(args, "host", None) or getattr(args, "all", False)
     if args.action in ("quiet", "stop") and remote:
         signame = "TSTP" if args.action == "quiet" else "TERM"
