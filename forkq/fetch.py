@@ -6,6 +6,10 @@ later call that also claims the next batch. When every queue is empty, one waite
 per queue blocks in BLMOVE, moving an arriving job into a private landing list (never into
 memory alone) and waking the fetcher, so idle workers start a new job within a round trip
 instead of polling.
+
+Suspects (jobs that were in flight in a process that crashed) wait on `forkq:suspects`;
+`claim_suspect` takes one at a time into the in-flight hash, so the manager can run each
+alone, and deletes the crash counts of suspects that ran to their end.
 """
 
 from __future__ import annotations
@@ -47,9 +51,14 @@ class ReliableFetch:
         self._fetch = scripts.load(client, "fetch")
         self._requeue_tokens = scripts.load(client, "requeue_tokens")
         self._requeue_all = scripts.load(client, "requeue_all")
+        self._claim_suspect = scripts.load(client, "claim_suspect")
+        self._return_suspect = scripts.load(client, "return_suspect")
         self._tokens = itertools.count(1)
         self._next_token = 1
         self._acks: deque[str] = deque()
+        # jids of suspects that ran to their end: their crash counts are deleted with the
+        # next acks (only suspects ever land here, so ordinary jobs cost nothing)
+        self._cleared: list[str] = []
         self._landed: set[str] = set()
         # token ranges (first, count) of fetch calls that failed: the script may have run
         # and claimed jobs whose reply never arrived (Redis went down right after it)
@@ -67,6 +76,8 @@ class ReliableFetch:
         """Claim up to `want` jobs and send pending acks, in one round trip."""
         if self._uncertain:
             self.recover_uncertain()
+        if self._cleared:
+            self.flush_acks()  # a suspect's ack and its crash count's delete go together
         acks = self._take_acks(4000)
         landed = [q for q in self.order.names if q in self._landed]
         self._landed.difference_update(landed)
@@ -92,6 +103,43 @@ class ReliableFetch:
             # a full batch may have left jobs in a landing list: drain it next time too
             self._landed.update(landed)
         return units
+
+    def claim_suspect(self) -> tuple[Unit | None, int]:
+        """Send pending acks, then claim the next suspect; (the suspect or None, leftovers).
+
+        The caller has every processor idle: whatever the in-flight hash still holds after
+        the acks is held by no thread, and goes back (`leftovers`) before the claim. A call
+        whose reply is lost leaves its claim under a token the next call finds as a
+        leftover: back on the suspects list, then claimed again.
+        """
+        if self._uncertain:
+            self.recover_uncertain()
+        acks = self._take_acks(4000)
+        cleared = list(self._cleared)
+        token = str(self._next_token)
+        self._next_token += 1
+        try:
+            flat = self._claim_suspect(
+                keys=[self.inflight_key, keys.SUSPECTS],
+                args=[token, len(acks), len(cleared), keys.CRASH_PREFIX, *acks, *cleared])
+        except Exception:
+            self._acks.extendleft(reversed(acks))
+            raise
+        del self._cleared[:len(cleared)]
+        leftovers = int(flat[0])
+        if len(flat) == 1:
+            return None, leftovers
+        return Unit(flat[1].decode(), flat[2].decode(), flat[3]), leftovers
+
+    def suspect_done(self, jid: str | None) -> None:
+        """A suspect ran to its end (success or failure) without killing its process: it is
+        not poison, and its crash count goes with the next acks."""
+        if jid:
+            self._cleared.append(jid)
+
+    def return_suspect(self, unit: Unit) -> int:
+        """Put a claimed suspect no thread started back at the head of the suspects list."""
+        return int(self._return_suspect(keys=[self.inflight_key, keys.SUSPECTS], args=[unit.token]))
 
     def recover_uncertain(self) -> int:
         """Put back jobs that failed fetch calls claimed without our knowing.
@@ -154,13 +202,22 @@ class ReliableFetch:
         return out
 
     def flush_acks(self) -> None:
-        while self._acks:
+        while self._acks or self._cleared:
             batch = self._take_acks(4000)
+            cleared = list(self._cleared)
             try:
-                self.redis.hdel(self.inflight_key, *batch)
+                if cleared:
+                    pipe = self.redis.pipeline(transaction=True)
+                    if batch:
+                        pipe.hdel(self.inflight_key, *batch)
+                    pipe.delete(*[keys.CRASH_PREFIX + jid for jid in cleared])
+                    pipe.execute()
+                else:
+                    self.redis.hdel(self.inflight_key, *batch)
             except Exception:
                 self._acks.extendleft(reversed(batch))
                 raise
+            del self._cleared[:len(cleared)]
 
     # -- putting back ---------------------------------------------------------------
     def requeue(self, units: list[Unit]) -> int:
@@ -206,6 +263,7 @@ class Waiters:
         self._armed = threading.Event()
         self._stopping = False
         self._quiet = False
+        self._paused = False
         self._client_ids: dict[str, int | None] = {}
         self._threads = [threading.Thread(target=self._run, args=(q,), name=f"forkq-wait-{q}",
                                           daemon=True) for q in fetch.order.names]
@@ -225,6 +283,16 @@ class Waiters:
         self._quiet = True
         self._armed.clear()
         self._unblock()
+
+    def pause(self) -> None:
+        """Claim nothing until resume() (while the process runs suspects alone): as quiet,
+        a wait already blocking puts back whatever it catches."""
+        self._paused = True
+        self._armed.clear()
+        self._unblock()
+
+    def resume(self) -> None:
+        self._paused = False
 
     def stop(self, timeout: float) -> None:
         """Stop blocking; returns once no BLMOVE is in flight (or the timeout passed)."""
@@ -254,11 +322,11 @@ class Waiters:
                 if self._client_ids.get(queue) is None:
                     # one connection per waiter thread: this id is the one BLMOVE blocks on
                     self._client_ids[queue] = conn.client_id()
-                if self._stopping or self._quiet:
+                if self._stopping or self._quiet or self._paused:
                     continue
                 if self._fetch.wait_for(queue, conn):
-                    if self._quiet:
-                        # a quiet process must not hold a job nobody will start
+                    if self._quiet or self._paused:
+                        # a quiet (or isolating) process must not hold a job nobody will start
                         self._fetch.give_back_landed(queue, conn)
                     else:
                         self._armed.clear()

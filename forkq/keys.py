@@ -18,6 +18,10 @@ STAT_FAILED = "stat:failed"
 # host finds every private structure through this hash, never through KEYS or SCAN.
 OWNERS = "forkq:owners"
 CRASH_PREFIX = "forkq:crashes:"
+# Jobs that were in flight in a process that died, waiting to run one at a time, each alone
+# in its process, so a crash while one runs counts against that job only. Entries are
+# "QUEUE\nPAYLOAD", as in an in-flight hash; RPOP takes the next one.
+SUSPECTS = "forkq:suspects"
 
 DEAD_MAX_JOBS = 10_000
 DEAD_TIMEOUT_S = 180 * 24 * 3600

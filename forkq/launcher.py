@@ -1,4 +1,7 @@
-"""The Launcher: heartbeat (Sidekiq-compatible), stats flush and remote signals."""
+"""The Launcher: heartbeat (Sidekiq-compatible), stats flush and remote signals.
+
+Each heartbeat also reads the length of the suspects list, so the manager learns that
+crash suspects wait to be run alone without a Redis command per job."""
 
 from __future__ import annotations
 
@@ -139,9 +142,12 @@ class Launcher:
             "quiet": "true" if self.manager.quiet_flag else "false",
             "rss": self._proc.memory_info().rss // 1024})
         pipe.expire(self.identity, keys.HEARTBEAT_TTL_S)
+        pipe.llen(keys.SUSPECTS)
         pipe.rpop(keys.signals(self.identity))
         result = pipe.execute()
         self._flushed = self._pending
+        # jobs a crash made suspects: the manager runs them one at a time, each alone
+        self.manager.suspects_seen(int(result[-2] or 0))
         sig = result[-1]
         if sig:
             name = sig.decode() if isinstance(sig, bytes) else str(sig)

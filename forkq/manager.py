@@ -3,10 +3,18 @@
 One fetch thread claims as many jobs as there are idle processors (one Lua round trip
 that also carries the acks of finished jobs), hands them over through an in-process
 queue, and when Redis has nothing, arms the per-queue waiters that block in BLMOVE.
+
+Isolation of suspects: jobs that were in flight in a process that crashed wait on the
+`forkq:suspects` list. When the heartbeat sees that list non-empty, the fetch loop stops
+claiming, waits until every processor is idle, then claims one suspect, runs it alone,
+and claims the next one the same way when it has finished, until the list is empty. A
+crash while a suspect runs alone has that one job in flight, so it counts against that
+job only: an innocent job that happened to run beside a poison job is never poisoned.
 """
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -64,6 +72,10 @@ class Manager:
         self.waiters = Waiters(self.fetch, connect, self._wake_fetcher, self.health.failed)
         self.quiet_flag = False
         self.hard_stopped = False
+        # set by the heartbeat thread from LLEN forkq:suspects; read by the fetch loop
+        self.suspects_waiting = False
+        self._suspect: Unit | None = None   # the suspect running alone, while isolating
+        self._suspect_jid: str | None = None
         self._handoff: queue.SimpleQueue[Unit | None] = queue.SimpleQueue()
         self._idle = concurrency
         self._lock = threading.Lock()
@@ -118,6 +130,10 @@ class Manager:
     def done(self, token: str | None) -> None:
         if token is not None:
             self.fetch.ack(token)
+        if self._suspect is not None:
+            # while isolating, the suspect is the only job running: this is its end
+            self.fetch.suspect_done(self._suspect_jid)
+            self._suspect = None
         with self._lock:
             self._idle += 1
         self._wake.set()
@@ -144,6 +160,13 @@ class Manager:
     def _wake_fetcher(self) -> None:
         self._wake.set()
 
+    def suspects_seen(self, waiting: int) -> None:
+        """The heartbeat read LLEN forkq:suspects: isolate them if there are any."""
+        now = waiting > 0 and not self.quiet_flag
+        if now != self.suspects_waiting:
+            self.suspects_waiting = now
+            self._wake.set()
+
     def _register(self) -> bool:
         """Enter the owners registry before the first claim; False if stopped first."""
         delay = 0.05
@@ -167,6 +190,9 @@ class Manager:
         delay = 0.05
         while not self.quiet_flag:
             self._wake.clear()
+            if self.suspects_waiting:
+                self._isolate()
+                continue
             want = self._idle
             if want == 0:
                 self._wake.wait()
@@ -195,6 +221,58 @@ class Manager:
             self._wake.wait()
         self._give_back_unstarted()
 
+    def _isolate(self) -> None:
+        """Run the suspects one at a time, each alone in this process, until none is left.
+
+        Nothing else is claimed meanwhile: the waiters pause (what they caught goes back),
+        and each claim waits until every processor is idle, its ack riding on the claim.
+        """
+        self.waiters.pause()
+        log.info("isolating suspects: no new jobs until they have run, one at a time, alone")
+        ran = 0
+        returned_landed = False
+        delay = 0.05
+        while not self.quiet_flag:
+            self._wake.clear()
+            if self._idle < self.concurrency:
+                if ran == 0 and not self.suspects_waiting:
+                    break  # another process took them while our jobs were finishing
+                self._wake.wait()
+                continue
+            try:
+                if not returned_landed:
+                    self.fetch.give_back_all_landed()
+                    returned_landed = True
+                unit, leftovers = self.fetch.claim_suspect()
+            except REDIS_ERRORS as exc:
+                self.health.failed(exc)
+                self._wake.wait(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            except Exception:
+                log.exception("claiming a suspect failed")
+                self._wake.wait(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            delay = 0.05
+            self.health.ok()
+            if leftovers:
+                log.warning("jobs held by no thread were left in flight; put back before a suspect "
+                            "runs alone", count=leftovers)
+            if unit is None:
+                break
+            ran += 1
+            jid = _jid(unit.raw)
+            self._suspect_jid = jid
+            self._suspect = unit
+            log.warning("running a suspect alone", jid=jid, queue=unit.queue)
+            with self._lock:
+                self._idle -= 1
+            self._handoff.put(unit)
+        self.suspects_waiting = False
+        self.waiters.resume()
+        log.info("isolation ended", suspects_run=ran, stopping=self.quiet_flag)
+
     def _give_back_unstarted(self) -> None:
         unstarted: list[Unit] = []
         while True:
@@ -202,8 +280,17 @@ class Manager:
                 u = self._handoff.get_nowait()
             except queue.Empty:
                 break
-            if u is not None:
-                unstarted.append(u)
+            if u is None:
+                continue
+            if u is self._suspect:
+                # a suspect goes back among the suspects, never onto its queue
+                self._suspect = None
+                try:
+                    self.write(self.fetch.return_suspect, u, patience=2.0)
+                except Exception:
+                    log.exception("could not return an unstarted suspect; the final requeue does")
+                continue
+            unstarted.append(u)
         # landed jobs arrived after the claimed ones: back first, so the claimed end up ahead
         try:
             self.write(self.fetch.give_back_all_landed, patience=2.0)
@@ -221,3 +308,11 @@ class Manager:
                 log.warning("could not flush acks now; the final requeue flushes them first")
         for _ in self.processors:
             self._handoff.put(None)
+
+
+def _jid(raw: bytes) -> str | None:
+    try:
+        jid = json.loads(raw).get("jid")
+    except (ValueError, AttributeError):
+        return None
+    return jid if isinstance(jid, str) else None
