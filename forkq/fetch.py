@@ -232,15 +232,31 @@ class ReliableFetch:
         return requeue_owner(self.redis, self.identity, self.order.names, script=self._requeue_all)
 
 
+class Requeued(NamedTuple):
+    requeued: int   # put back to run again, suspects included
+    poisoned: int   # sent to dead as forkq.PoisonJob
+    suspects: int   # of `requeued`, those put on the suspects list instead of their queue
+
+
 def requeue_owner(client: redis.Redis, identity: str, queue_names: list[str], *,
                   crashed: bool = False, poison_after: int = 3, script: Any = None) -> tuple[int, int]:
     """Return a (possibly dead) process's private jobs to their queues; (requeued, poisoned)."""
+    counts = requeue_owner_counts(client, identity, queue_names, crashed=crashed,
+                                  poison_after=poison_after, script=script)
+    return counts.requeued, counts.poisoned
+
+
+def requeue_owner_counts(client: redis.Redis, identity: str, queue_names: list[str], *,
+                         crashed: bool = False, poison_after: int = 3, script: Any = None) -> Requeued:
+    """Return a (possibly dead) process's private jobs to their queues, or to the suspects
+    list: after a crash (`crashed`) every job in flight is a suspect, and a job that still
+    has a crash count stays one."""
     script = script or scripts.load(client, "requeue_all")
     landing = [keys.landing(identity, q) for q in queue_names]
-    requeued, poisoned = script(
-        keys=[keys.inflight(identity), keys.OWNERS, *landing],
+    requeued, poisoned, suspects = script(
+        keys=[keys.inflight(identity), keys.OWNERS, keys.SUSPECTS, *landing],
         args=[identity, 1 if crashed else 0, poison_after, time.time(), keys.CRASH_PREFIX, *queue_names])
-    return int(requeued), int(poisoned)
+    return Requeued(int(requeued), int(poisoned), int(suspects))
 
 
 def owner_queues(client: redis.Redis, identity: str) -> list[str] | None:

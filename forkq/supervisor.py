@@ -25,7 +25,7 @@ import redis
 import setproctitle
 
 from . import client, hooks, logs, systemd
-from .fetch import requeue_owner
+from .fetch import requeue_owner_counts
 from .settings import Settings
 
 log = logs.get("forkq.supervisor")
@@ -65,6 +65,7 @@ class Stats:
     restarts: dict[str, int] = field(default_factory=dict)
     requeued: int = 0
     poisoned: int = 0
+    suspects: int = 0      # of requeued: sent to the suspects list, to run alone
 
 
 class Supervisor:
@@ -117,7 +118,8 @@ class Supervisor:
         finally:
             self.requeue_pending(final=True)
         log.info("master stopped", exit_code=self.exit_code, restarts=self.stats.restarts,
-                 requeued=self.stats.requeued, poisoned=self.stats.poisoned)
+                 requeued=self.stats.requeued, poisoned=self.stats.poisoned,
+                 suspects=self.stats.suspects)
         return self.exit_code
 
     def wait_for_events(self, timeout: float) -> None:
@@ -271,7 +273,7 @@ class Supervisor:
                 return done
             identity, crashed = self.pending_requeue[0]
             try:
-                requeued, poisoned = requeue_owner(
+                requeued, poisoned, suspects = requeue_owner_counts(
                     self.redis, identity, [q for q, _ in self.settings.queues],
                     crashed=crashed and self.state != "stopping", poison_after=self.settings.poison_after)
             except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
@@ -284,9 +286,11 @@ class Supervisor:
             done[identity] = (requeued, poisoned)
             self.stats.requeued += requeued
             self.stats.poisoned += poisoned
+            self.stats.suspects += suspects
             if requeued or poisoned:
+                # suspects: how many of the requeued went to forkq:suspects (to run alone)
                 log.warning("requeued a child's in-flight jobs", identity=identity,
-                            requeued=requeued, poisoned=poisoned)
+                            requeued=requeued, poisoned=poisoned, suspects=suspects)
         if final and self.pending_requeue:
             log.error("Redis unreachable: these children's jobs stay in their private lists for "
                       "orphan recovery", identities=[i for i, _ in self.pending_requeue])

@@ -722,10 +722,6 @@ def test_a_poison_job_does_not_make_a_single_process_master_give_up(start_master
     assert_clean(r, m, set(m.wait_slots().values()))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "forkq/scripts/requeue_all.lua counts every job in flight in a crashed process as a "
-    "suspect, so a job that merely ran beside a poison job through --poison-after crashes "
-    "goes to dead as forkq.PoisonJob without ever failing"))
 @pytest.mark.timeout(45)
 def test_a_job_that_ran_beside_a_poison_job_is_not_poisoned(start_master, redis_url, r):
     m = start_master(processes=1, concurrency=2, args=["--poison-after", "2"])

@@ -2,15 +2,26 @@
 -- queues it came from, then forget the process. Used by a worker at its own stop, by the
 -- supervisor after a child died, and by orphan recovery.
 --
--- KEYS[1] in-flight hash, KEYS[2] owners registry, KEYS[3..] landing lists
+-- A job that was in flight in a process that crashed is a suspect: its crash count
+-- (ARGV[5] .. jid) goes up; at ARGV[3] it goes to dead as forkq.PoisonJob, otherwise it
+-- goes onto the suspects list, where workers take suspects one at a time and run each
+-- alone, so that a later crash counts against that one job only. A job put back without a
+-- crash that still has a crash count (a suspect cut off by a stop) goes onto the suspects
+-- list too: back on its queue it would run beside others again.
+--
+-- KEYS[1] in-flight hash, KEYS[2] owners registry, KEYS[3] suspects list,
+-- KEYS[4..] landing lists
 -- ARGV[1] identity, ARGV[2] crashed (1: count each in-flight job as a suspect in the death)
 -- ARGV[3] crashes that make a job poison, ARGV[4] now, ARGV[5] crash-count key prefix
 -- ARGV[6..] the queue name of each landing list
--- Returns {requeued, poisoned}.
+-- Returns {requeued, poisoned, suspects}: requeued counts every job put back to run again,
+-- the suspects among them included.
 local requeued, poisoned = 0, 0
-for i = 3, #KEYS do
-  local name = ARGV[i + 3]
-  -- landing lists are LPUSHed, so pushing them in LRANGE order leaves the oldest rightmost
+local suspects = KEYS[3]
+for i = 4, #KEYS do
+  local name = ARGV[i + 2]
+  -- landing lists are LPUSHed, so pushing them in LRANGE order leaves the oldest rightmost;
+  -- nothing in them had started, so nothing in them is a suspect
   local jobs = redis.call('LRANGE', KEYS[i], 0, -1)
   for _, job in ipairs(jobs) do
     redis.call('RPUSH', 'queue:' .. name, job)
@@ -28,35 +39,47 @@ end
 table.sort(items, function(a, b) return a[1] > b[1] end)
 local crashed = ARGV[2] == '1'
 local limit = tonumber(ARGV[3])
+local suspected = {}   -- crash suspects, newest first
+local held = 0         -- suspects put back without a crash
 for _, item in ipairs(items) do
   local v = item[2]
   local cut = string.find(v, "\n", 1, true)
   local name, job = string.sub(v, 1, cut - 1), string.sub(v, cut + 1)
-  local dead = false
-  if crashed then
-    local ok, decoded = pcall(cjson.decode, job)
-    if ok and type(decoded) == 'table' and type(decoded['jid']) == 'string' then
-      local key = ARGV[5] .. decoded['jid']
-      local count = redis.call('INCR', key)
-      redis.call('EXPIRE', key, 86400)
-      if count >= limit then
-        dead = true
-        decoded['error_class'] = 'forkq.PoisonJob'
-        decoded['error_message'] = 'killed its worker process ' .. count .. ' times'
-        decoded['failed_at'] = tonumber(ARGV[4])
-        -- cjson re-encodes the payload; the original is kept in a field so nothing is lost
-        decoded['forkq_original'] = job
-        redis.call('ZADD', 'dead', ARGV[4], cjson.encode(decoded))
-        redis.call('DEL', key)
-        poisoned = poisoned + 1
-      end
-    end
+  local ok, decoded = pcall(cjson.decode, job)
+  local key = nil
+  if ok and type(decoded) == 'table' and type(decoded['jid']) == 'string' then
+    key = ARGV[5] .. decoded['jid']
   end
-  if not dead then
+  if crashed and key then
+    local count = redis.call('INCR', key)
+    redis.call('EXPIRE', key, 86400)
+    if count >= limit then
+      decoded['error_class'] = 'forkq.PoisonJob'
+      decoded['error_message'] = 'killed its worker process ' .. count .. ' times'
+      decoded['failed_at'] = tonumber(ARGV[4])
+      -- cjson re-encodes the payload; the original is kept in a field so nothing is lost
+      decoded['forkq_original'] = job
+      redis.call('ZADD', 'dead', ARGV[4], cjson.encode(decoded))
+      redis.call('DEL', key)
+      poisoned = poisoned + 1
+    else
+      suspected[#suspected + 1] = v
+    end
+  elseif key and redis.call('EXISTS', key) == 1 then
+    -- a suspect that was stopped, not crashed: next in line among the suspects again
+    redis.call('RPUSH', suspects, v)
+    held = held + 1
+  else
     redis.call('RPUSH', 'queue:' .. name, job)
     requeued = requeued + 1
   end
 end
+-- new crash suspects join the far end of the line (a poison job that crashed again waits
+-- behind the others), the oldest claim of this batch nearest the front
+for i = #suspected, 1, -1 do
+  redis.call('LPUSH', suspects, suspected[i])
+end
+local nsuspects = #suspected + held
 redis.call('DEL', KEYS[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
-return {requeued, poisoned}
+return {requeued + nsuspects, poisoned, nsuspects}
