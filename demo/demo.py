@@ -1,8 +1,8 @@
 """forkq's demo: a private Redis, 2,000 jobs, `forkq start --processes 4`, live progress.
 
 Halfway through it SIGKILLs one child, as the OOM killer would: the master puts that
-child's in-flight jobs back on the queue and forks a replacement, and every job still
-completes. Run it with `bash demo/run` (which installs what is missing) or
+child's in-flight jobs back into Redis (as crash suspects, each then run alone) and forks a
+replacement, and every job still completes. Run it with `bash demo/run` (which installs what is missing) or
 `python3 demo/demo.py`.
 """
 
@@ -64,7 +64,7 @@ def main() -> int:
                     os.kill(victim.pid, signal.SIGKILL)
                     killed = (victim.pid, held)
                     print(f"  !! SIGKILL child pid {victim.pid} holding {held} in-flight jobs: "
-                          "the master requeues them and forks a replacement")
+                          "the master puts them back (each runs alone, as a crash suspect) and forks a replacement")
                 if done >= a.jobs:
                     break
                 if master.poll() is not None:
