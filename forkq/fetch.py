@@ -56,6 +56,7 @@ class ReliableFetch:
         self._tokens = itertools.count(1)
         self._next_token = 1
         self._acks: deque[str] = deque()
+        self.owner_json: str | None = None  # set by register(); the heartbeat re-asserts it
         # jids of suspects that ran to their end: their crash counts are deleted with the
         # next acks (only suspects ever land here, so ordinary jobs cost nothing)
         self._cleared: list[str] = []
@@ -69,7 +70,8 @@ class ReliableFetch:
         """Record this process as an owner of private structures, before any claim."""
         info = {"queues": self.order.names, "host": socket.gethostname(), "pid": os.getpid(),
                 "master": self.master, "started_at": time.time()}
-        self.redis.hset(keys.OWNERS, self.identity, json.dumps(info))
+        self.owner_json = json.dumps(info)
+        self.redis.hset(keys.OWNERS, self.identity, self.owner_json)
 
     # -- claiming -------------------------------------------------------------------
     def fetch(self, want: int) -> list[Unit]:

@@ -135,6 +135,11 @@ class Launcher:
                                           "run_at": int(at)})
                     for idx, (q, raw, at) in running})
                 pipe.expire(key, keys.HEARTBEAT_TTL_S)
+        owner = self.manager.fetch.owner_json
+        if owner is not None and not self._stopping:
+            # re-assert the owners entry: if an orphan sweep ever took this live process
+            # for dead (a Redis outage longer than its delay), the next beat registers it again
+            pipe.hset(keys.OWNERS, self.identity, owner)
         pipe.sadd(keys.PROCESSES, self.identity)
         pipe.exists(self.identity)
         pipe.hset(self.identity, mapping={

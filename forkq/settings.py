@@ -28,3 +28,4 @@ class Settings:
     poison_after: int = 3
     boot_window: float = 10.0
     pidfile: str | None = None
+    recovery_delay: float = 60.0

@@ -24,7 +24,7 @@ import psutil
 import redis
 import setproctitle
 
-from . import client, hooks, logs, systemd
+from . import client, hooks, logs, orphans, systemd
 from .fetch import requeue_owner_counts
 from .settings import Settings
 
@@ -85,6 +85,10 @@ class Supervisor:
         self._sig_r, self._sig_w = os.pipe()
         self.exit_code = 0
         self._ready_sent = False
+        self._redis_ok_since: float | None = None
+        self._next_sweep = 0.0
+        # a dead forkq's jobs are back within about delay + delay/4 + one heartbeat
+        self._sweep_every = max(1.0, min(settings.recovery_delay / 4, 15.0))
         self._watchdog_every = systemd.watchdog_interval()
         self._last_watchdog = 0.0
 
@@ -101,6 +105,7 @@ class Supervisor:
         gc.freeze()
         log.info("master started", processes=self.settings.processes, app=self.app,
                  identity=self.identity)
+        self.sweep_orphans(boot=True)
         try:
             while True:
                 self.spawn_missing()
@@ -111,6 +116,7 @@ class Supervisor:
                 self.wait_for_events(0.5)
                 self.reap_children()
                 self.requeue_pending()
+                self.sweep_orphans()
                 self.murder_hung_children()
                 self.check_memory()
                 self.roll_restart()
@@ -295,6 +301,36 @@ class Supervisor:
             log.error("Redis unreachable: these children's jobs stay in their private lists for "
                       "orphan recovery", identities=[i for i, _ in self.pending_requeue])
         return done
+
+    def sweep_orphans(self, boot: bool = False) -> None:
+        """Recover the jobs of forkq processes that died with their master (see orphans.py).
+
+        At boot, only owners on this host whose master is gone (a restart after a crash)
+        are recovered, at once. Later, owners with stale heartbeats are, but only once Redis
+        has answered us for the recovery delay plus a heartbeat: after an outage every
+        heartbeat looks stale, and live processes need time to beat again."""
+        now = time.monotonic()
+        if not boot and (now < self._next_sweep or self.state == "stopping"):
+            return
+        self._next_sweep = now + self._sweep_every
+        s = self.settings
+        settled = (self._redis_ok_since is not None
+                   and now - self._redis_ok_since >= s.recovery_delay + s.heartbeat_interval)
+        try:
+            if self._redis_ok_since is None:
+                self.redis.ping()
+                self._redis_ok_since = now
+            found = orphans.sweep(self.redis, s.recovery_delay if settled else float("inf"),
+                                  self.identity, this_host_now=True,
+                                  skip={c.identity for c in self.children.values()})
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+            self._redis_ok_since = None
+            return
+        except Exception:
+            log.exception("orphan sweep failed")
+            return
+        for _identity, requeued in found:
+            self.stats.requeued += requeued
 
     @property
     def redis(self) -> redis.Redis:

@@ -170,6 +170,7 @@ SAMPLES = {
     "max_memory_mb": ("512", "512", 512.0),
     "hang_timeout": ("12", "12", 12.0),
     "poison_after": ("5", "5", 5),
+    "recovery_delay": ("90", "90", 90.0),
     "pidfile": ("/run/x.pid", '"/run/x.pid"', "/run/x.pid"),
 }
 

@@ -1,0 +1,115 @@
+"""Orphan recovery: put back the jobs of forkq processes that died without a master to do it.
+
+A child's jobs are put back by its master the moment it dies. When a whole forkq dies at
+once (host power loss, a pod SIGKILLed, `kill -9` of the master and its children), its
+private structures stay in Redis, registered in `forkq:owners`. Every live forkq sweeps
+that registry now and then: an owner whose heartbeat is older than the recovery delay (or
+gone, once the owner is older than the delay) is dead, and its jobs go back to their queues
+(crash suspects to `forkq:suspects`). A lock with an expiry lets one forkq sweep at a time
+cluster-wide. The registry is one small hash: no KEYS, no SCAN of the database.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+import psutil
+import redis
+
+from . import keys, logs
+from .fetch import requeue_owner_counts
+
+log = logs.get("forkq.orphans")
+LOCK = "forkq:orphan-lock"
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+def _owner_info(raw: bytes) -> dict[str, Any]:
+    try:
+        info = json.loads(raw)
+        return info if isinstance(info, dict) else {}
+    except ValueError:
+        return {}
+
+
+def _master_pid(info: dict[str, Any]) -> int | None:
+    """The pid of the master that owned this process (or its own pid without a master)."""
+    master = info.get("master")
+    if isinstance(master, str):
+        parts = master.rsplit(":", 2)
+        if len(parts) == 3 and parts[1].isdigit():
+            return int(parts[1])
+    pid = info.get("pid")
+    return pid if isinstance(pid, int) else None
+
+
+def _alive_here(pid: int) -> bool:
+    """A forkq process with this pid runs on this host (not merely some reused pid)."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return "forkq" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def dead_owners(client: redis.Redis, recovery_delay: float, *, this_host_now: bool = False,
+                skip: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, list[str]]]:
+    """Registered owners judged dead, with their queues.
+
+    Dead: heartbeat `beat` older than `recovery_delay`, or no heartbeat and registered longer
+    ago than that. With `this_host_now`, an owner on this host whose master is no longer a
+    running forkq is dead at once (a restarted forkq recovers its predecessor at boot).
+    """
+    owners = client.hgetall(keys.OWNERS)
+    if not owners:
+        return []
+    identities = [i for i in owners if i.decode() not in skip]
+    pipe = client.pipeline(transaction=False)
+    for identity in identities:
+        pipe.hget(identity, "beat")
+    beats = pipe.execute()
+    now = time.time()
+    host = socket.gethostname()
+    dead = []
+    for identity, beat in zip(identities, beats):
+        info = _owner_info(owners[identity])
+        queues = [q for q in info.get("queues", []) if isinstance(q, str)]
+        if this_host_now and info.get("host") == host:
+            pid = _master_pid(info)
+            if pid is not None and pid != os.getpid() and not _alive_here(pid):
+                dead.append((identity.decode(), queues))
+                continue
+        if beat is not None:
+            try:
+                last = float(beat)
+            except ValueError:
+                last = 0.0
+        else:
+            started = info.get("started_at")
+            last = float(started) if isinstance(started, (int, float)) else 0.0
+        if now - last > recovery_delay:
+            dead.append((identity.decode(), queues))
+    return dead
+
+
+def sweep(client: redis.Redis, recovery_delay: float, holder: str, *, this_host_now: bool = False,
+          skip: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, int]]:
+    """Recover every dead owner's jobs, if no other forkq is sweeping; [(identity, jobs back)]."""
+    if not client.set(LOCK, holder, nx=True, px=30_000):
+        return []
+    recovered = []
+    try:
+        for identity, queues in dead_owners(client, recovery_delay, this_host_now=this_host_now, skip=skip):
+            counts = requeue_owner_counts(client, identity, queues)
+            recovered.append((identity, counts.requeued))
+            log.warning("recovered a dead process's jobs", owner=identity, requeued=counts.requeued,
+                        suspects=counts.suspects)
+    finally:
+        client.eval(_RELEASE, 1, LOCK, holder)
+    return recovered

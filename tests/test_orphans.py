@@ -1,0 +1,193 @@
+"""Orphan recovery: a whole forkq killed at once has its jobs put back by another forkq."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+import forkq
+from forkq import keys, orphans
+from helpers import wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+APP = REPO / "tests" / "apps" / "orphan_jobs.py"
+
+
+class Instance:
+    """One forkq master in its own session (and, with `host`, its own UTS namespace)."""
+
+    def __init__(self, url: str, tmp: Path, name: str, *args: str, host: str | None = None) -> None:
+        self.log = tmp / f"{name}.log"
+        cmd = [sys.executable, "-m", "forkq", "start", "--require", str(APP), "--log-format", "json",
+               "--pidfile", str(tmp / f"{name}.pid"), "--heartbeat-interval", "0.5", *args]
+        if host is not None:
+            # a forkq that believes it runs on another host: only the heartbeat rule applies
+            cmd = ["unshare", "--uts", "sh", "-c", f'hostname {host} && exec "$@"', "sh", *cmd]
+        env = dict(os.environ, FORKQ_REDIS_URL=url, PYTHONPATH=str(REPO))
+        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=open(self.log, "w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def events(self, name: str) -> list[dict]:
+        out = []
+        for line in self.log.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == name:
+                out.append(event)
+        return out
+
+    def kill_all(self) -> None:
+        """SIGKILL the master and every child at once, as a power loss would."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill_all()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def instances(redis_url, tmp_path):
+    made: list[Instance] = []
+
+    def start(name: str, *args: str, host: str | None = None) -> Instance:
+        inst = Instance(redis_url, tmp_path, name, *args, host=host)
+        made.append(inst)
+        return inst
+    yield start
+    for inst in made:
+        inst.stop()
+
+
+def _owners_on(r: redis.Redis, host: str) -> list[str]:
+    return [i.decode() for i, v in r.hgetall(keys.OWNERS).items() if json.loads(v).get("host") == host]
+
+
+def _held(r: redis.Redis) -> int:
+    return sum(r.hlen(keys.inflight(i.decode())) for i in r.hkeys(keys.OWNERS))
+
+
+def _private_keys(r: redis.Redis) -> list[bytes]:
+    return [k for pat in ("forkq:inflight:*", "forkq:landing:*") for k in r.scan_iter(pat)]
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_forkq_recovers_its_dead_predecessors_jobs_at_boot(instances, r, redis_url):
+    a = instances("a", "--processes", "2", "--concurrency", "2")
+    wait_until(lambda: r.hlen(keys.OWNERS) == 2, timeout=20, message="a's children registered")
+    forkq.Client(redis_url).push_bulk("orphan.work", [[f"j{i}", 30] for i in range(4)])
+    wait_until(lambda: _held(r) == 4, timeout=10, message="a holds all four jobs")
+    a.kill_all()
+    # the default recovery delay is a minute: only the boot rule can be this quick
+    b = instances("b", "--processes", "1", "--concurrency", "4")
+    wait_until(lambda: len(b.events("recovered a dead process's jobs")) == 2, timeout=15,
+               message="b recovered both of a's children at boot")
+    wait_until(lambda: _held(r) == 4 and r.llen("queue:default") == 0, timeout=10,
+               message="b claimed the four recovered jobs")
+    owners = [json.loads(v) for v in r.hvals(keys.OWNERS)]
+    assert len(owners) == 1 and owners[0]["pid"] != a.proc.pid
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for a second hostname")
+def test_another_hosts_dead_forkq_is_recovered_within_the_delay(instances, r, redis_url):
+    probe = subprocess.run(["unshare", "--uts", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a UTS namespace here: {probe.stderr.decode().strip()}")
+    delay = 3.0
+    b = instances("b", "--processes", "1", "--concurrency", "4", "--recovery-delay", str(delay))
+    a = instances("a", "--processes", "2", "--concurrency", "2", "--recovery-delay", str(delay),
+                  host="forkq-test-host-a")
+    wait_until(lambda: len(_owners_on(r, "forkq-test-host-a")) == 2, timeout=20,
+               message="a's children registered under their own host name")
+    forkq.Client(redis_url).push_bulk("orphan.work", [[f"j{i}", 1] for i in range(4)], queue="a-only")
+    # b does not work a-only: only recovery can make these jobs run, and b must not take them early
+    a_identities = set(_owners_on(r, "forkq-test-host-a"))
+    forkq.Client(redis_url).push_bulk("orphan.work", [[f"k{i}", 30] for i in range(4)])
+    wait_until(lambda: sum(r.hlen(keys.inflight(i)) for i in a_identities) >= 1, timeout=10,
+               message="a holds jobs")
+    held = sum(r.hlen(keys.inflight(i)) for i in a_identities)
+    last_beat = max(float(r.hget(i, "beat")) for i in a_identities)
+    a.kill_all()
+    wait_until(lambda: not any(r.exists(keys.inflight(i)) for i in a_identities), timeout=30,
+               message="a's private hashes recovered")
+    recovered_after = time.time() - last_beat
+    # bound: the delay, one sweep interval (max(1, delay/4)), a heartbeat, scheduling slack
+    assert delay <= recovered_after + 0.6, f"recovered too early: {recovered_after:.2f}s after the last beat"
+    assert recovered_after < delay + 1.0 + 0.5 + 2.0, f"recovered {recovered_after:.2f}s after the last beat"
+    events = b.events("recovered a dead process's jobs")
+    assert sum(e["requeued"] for e in events) == held
+    assert not a_identities & set(i.decode() for i in r.hkeys(keys.OWNERS))
+
+
+@pytest.mark.timeout(90)
+def test_live_processes_are_not_swept_after_a_redis_outage_longer_than_the_delay(tmp_path, own_redis):
+    """After an outage every heartbeat is stale; the sweep waits until live ones beat again."""
+    url = own_redis.url
+    r = own_redis.client()
+    a = Instance(url, tmp_path, "a", "--processes", "1", "--concurrency", "2", "--recovery-delay", "2")
+    b = Instance(url, tmp_path, "b", "--processes", "1", "--concurrency", "2", "--recovery-delay", "2")
+    try:
+        wait_until(lambda: r.hlen(keys.OWNERS) == 2, timeout=20, message="both registered")
+        forkq.Client(url).push_bulk("orphan.work", [[f"j{i}", 8] for i in range(4)])
+        wait_until(lambda: _held(r) == 4, timeout=10, message="all four jobs held")
+        own_redis.pause()
+        time.sleep(4)  # the outage itself: longer than the 2 s recovery delay
+        own_redis.resume()
+        wait_until(lambda: r.llen("orphan:ran") == 4, timeout=40, message="all four jobs ran")
+        ran = [x.decode().split(":")[0] for x in r.lrange("orphan:ran", 0, -1)]
+        assert sorted(ran) == ["j0", "j1", "j2", "j3"], f"a job ran twice or not at all: {ran}"
+        assert not a.events("recovered a dead process's jobs") and not b.events("recovered a dead process's jobs")
+    finally:
+        a.stop()
+        b.stop()
+
+
+@pytest.mark.timeout(20)
+def test_dead_owner_rules(r):
+    now = time.time()
+    entry = {"queues": ["default"], "host": "elsewhere", "pid": 1, "master": "elsewhere:1:x", "started_at": now}
+    r.hset(keys.OWNERS, mapping={
+        "fresh-beat": json.dumps(entry),
+        "stale-beat": json.dumps(entry),
+        "young-no-beat": json.dumps(entry),
+        "old-no-beat": json.dumps(dict(entry, started_at=now - 120)),
+    })
+    r.hset("fresh-beat", "beat", now)
+    r.hset("stale-beat", "beat", now - 90)
+    dead = {i for i, _ in orphans.dead_owners(r, 60)}
+    assert dead == {"stale-beat", "old-no-beat"}
+    assert orphans.dead_owners(r, float("inf")) == []
+    # only one sweeper at a time
+    r.set(orphans.LOCK, "someone-else", px=5000)
+    assert orphans.sweep(r, 60, "me") == []
+    assert r.hlen(keys.OWNERS) == 4
+    r.delete(orphans.LOCK)
+    r.rpush(keys.inflight("stale-beat"), "x")  # wrong type would be a bug; use the real format
+    r.delete(keys.inflight("stale-beat"))
+    r.hset(keys.inflight("stale-beat"), "1", 'default\n{"class":"c","args":[],"jid":"j"}')
+    recovered = dict(orphans.sweep(r, 60, "me"))
+    assert recovered == {"stale-beat": 1, "old-no-beat": 0}
+    assert r.lrange("queue:default", 0, -1) == [b'{"class":"c","args":[],"jid":"j"}']
+    assert set(r.hkeys(keys.OWNERS)) == {b"fresh-beat", b"young-no-beat"}
+    assert not r.exists(orphans.LOCK)
