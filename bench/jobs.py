@@ -13,3 +13,10 @@ def noop() -> None:
 @forkq.job(queue="bench")
 def sleepy(seconds: float) -> None:
     time.sleep(seconds)
+
+
+@forkq.job(queue="latency", retry=0)
+def stamp(enqueued: float, key: str) -> None:
+    # the first thing the job does: record how long after its enqueue it started
+    started = time.time()
+    forkq.default_client().redis.rpush(key, f"{started - enqueued:.6f}")
