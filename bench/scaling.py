@@ -1,0 +1,98 @@
+"""Does forkq slow down with a deep queue, big retry/schedule sets, or many jobs run?
+
+    python bench/scaling.py [--deep 1000000] [--sets 100000] [--rss-jobs 100000]
+
+Prints, for `--processes 2 --concurrency 10` and no-op jobs: throughput over 20,000 jobs
+with 20,000 waiting, with --deep waiting, and with --sets future entries in each of
+`retry` and `schedule`; and a child's RSS after 10% and after all of --rss-jobs jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import psutil  # noqa: E402
+
+import forkq  # noqa: E402
+from bench import jobs  # noqa: E402
+from bench.common import PrivateRedis, start_master, stop_master  # noqa: E402
+
+WINDOW = 20_000
+
+
+def fill(r, n: int) -> None:
+    noop = jobs.noop.options(client=forkq.Client(r.url))
+    for start in range(0, n, 100_000):
+        noop.enqueue_many([()] * min(100_000, n - start))
+
+
+def rate_over_window(r, waiting: int, processes: int = 2) -> float:
+    """Jobs/s over the first WINDOW jobs taken from a queue `waiting` deep."""
+    r.client.delete("queue:bench")
+    fill(r, waiting)
+    master = start_master(r.url, "--require", "bench/jobs.py", "--queue", "bench", "--processes",
+                          str(processes), "--concurrency", "10", "--log-level", "warning")
+    try:
+        while r.client.llen("queue:bench") >= waiting:
+            time.sleep(0.0005)
+        t0 = time.monotonic()
+        target = waiting - WINDOW
+        while r.client.llen("queue:bench") > target:
+            time.sleep(0.005)
+        return WINDOW / (time.monotonic() - t0)
+    finally:
+        stop_master(master)
+        r.client.delete("queue:bench")
+
+
+def rss_over(r, n: int) -> tuple[float, float]:
+    fill(r, n)
+    master = start_master(r.url, "--require", "bench/jobs.py", "--queue", "bench", "--processes", "1",
+                          "--concurrency", "10", "--log-level", "warning")
+    try:
+        child = None
+        early = None
+        while r.client.llen("queue:bench") > 0:
+            if child is None and psutil.Process(master.pid).children():
+                child = psutil.Process(master.pid).children()[0]
+            if early is None and child is not None and r.client.llen("queue:bench") <= n * 0.9:
+                early = child.memory_info().rss / 1_048_576
+            time.sleep(0.01)
+        time.sleep(0.5)
+        return early or 0.0, child.memory_info().rss / 1_048_576
+    finally:
+        stop_master(master)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--deep", type=int, default=1_000_000)
+    p.add_argument("--sets", type=int, default=100_000)
+    p.add_argument("--rss-jobs", type=int, default=100_000)
+    a = p.parse_args()
+    with PrivateRedis() as r:
+        base = rate_over_window(r, WINDOW)
+        print(f"{WINDOW:,} waiting:                      {base:8,.0f} jobs/s")
+        deep = rate_over_window(r, a.deep)
+        print(f"{a.deep:,} waiting:                  {deep:8,.0f} jobs/s ({100 * (deep / base - 1):+.0f}%)")
+        future = time.time() + 86_400
+        for key in ("retry", "schedule"):
+            pipe = r.client.pipeline(transaction=False)
+            for i in range(a.sets):
+                pipe.zadd(key, {f'{{"class":"bench.jobs.noop","args":[],"jid":"{i:024x}","queue":"bench"}}': future + i})
+            pipe.execute()
+        sets = rate_over_window(r, WINDOW)
+        print(f"{WINDOW:,} waiting, {a.sets:,} in retry and schedule: {sets:8,.0f} jobs/s "
+              f"({100 * (sets / base - 1):+.0f}%)")
+        r.client.delete("retry", "schedule")
+        early, late = rss_over(r, a.rss_jobs)
+        print(f"child RSS after {a.rss_jobs // 10:,} jobs {early:.1f} MB, after {a.rss_jobs:,} jobs {late:.1f} MB")
+
+
+if __name__ == "__main__":
+    main()
