@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 
@@ -38,11 +38,24 @@ def mask_url(url: str) -> str:
 
 
 def _mask_query(text: str) -> str:
-    return re.sub(r"((?:^|[?&])password=)[^&#]*", r"\1***", text)
+    return re.sub(r"((?:^|[?&])(?:sentinel_)?password=)[^&#]*", r"\1***", text)
+
+
+SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_PORT = 26379
+
+# rediss:// options that may come from the environment instead of the URL's query string
+TLS_ENV = {"ssl_ca_certs": "FORKQ_REDIS_CA", "ssl_certfile": "FORKQ_REDIS_CERT",
+           "ssl_keyfile": "FORKQ_REDIS_KEY"}
+TLS_CERT_REQS = ("none", "optional", "required")
 
 
 def connect(url: str | None = None, **options: Any) -> redis.Redis:
-    """A redis-py client for redis://, rediss:// (TLS) or unix:// URLs, with user/password."""
+    """A redis-py client for redis://, rediss:// (TLS), unix:// or redis+sentinel:// URLs,
+    with user/password.
+
+    A redis+sentinel:// client asks the sentinels for the current primary each time it
+    opens a connection, so after a failover its reconnects reach the new primary."""
     url = redis_url(url)
     options.setdefault("health_check_interval", 30)
     options.setdefault("socket_connect_timeout", 5)
@@ -51,10 +64,100 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis:
         for tcp_only in ("socket_keepalive", "socket_keepalive_options"):
             options.pop(tcp_only, None)
     try:
+        if url.lower().startswith(SENTINEL_SCHEME + "://"):
+            return _connect_sentinel(url, options)
         _check_db(url)
+        if url.lower().startswith("rediss://"):
+            _tls_options(url, options)
         return redis.Redis.from_url(url, **options)
     except ValueError as exc:
         raise ValueError(f"bad Redis URL {mask_url(url)!r}: {exc}") from None
+
+
+def _tls_options(url: str, options: dict[str, Any]) -> None:
+    # redis-py hands ssl_* query parameters through as text, which SSLConnection accepts;
+    # check them here so a typo fails at start-up with a message, not at the first command.
+    query = dict(parse_qsl(urlsplit(url).query))
+    for option, env in TLS_ENV.items():
+        if option not in query and option not in options and os.environ.get(env):
+            options[option] = os.environ[env]
+    reqs = query.get("ssl_cert_reqs", options.get("ssl_cert_reqs"))
+    if isinstance(reqs, str) and reqs.lower() not in TLS_CERT_REQS:
+        raise ValueError(f"ssl_cert_reqs must be one of {', '.join(TLS_CERT_REQS)}, not {reqs!r}")
+    for option in TLS_ENV:
+        path = query.get(option, options.get(option))
+        if isinstance(path, str) and not os.path.isfile(path):
+            raise ValueError(f"{option}: no such file {path!r}")
+
+
+def _connect_sentinel(url: str, options: dict[str, Any]) -> redis.Redis:
+    """redis+sentinel://[user:password@]host:port[,host:port...]/SERVICE[/DB][?sentinel_password=...]
+
+    The user and password are the Redis servers'; sentinel_username / sentinel_password
+    (query parameters) authenticate to the sentinels, which otherwise get none."""
+    rest = url.split("://", 1)[1]
+    rest, _, fragment = rest.partition("#")
+    rest, _, query_text = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    userinfo, at, hostlist = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, pw = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if colon else None
+    sentinels = [_host_port(item) for item in hostlist.split(",")]
+    parts = [p for p in path.split("/") if p]
+    if not parts:
+        raise ValueError("no service name: write redis+sentinel://HOST:PORT/SERVICE[/DB]")
+    if len(parts) > 2:
+        raise ValueError(f"the path must be /SERVICE or /SERVICE/DB, not /{path}")
+    service = unquote(parts[0])
+    db = 0
+    if len(parts) == 2:
+        if not (parts[1].isascii() and parts[1].isdigit()):
+            raise ValueError(f"the database must be a number, as in /0, not {parts[1]!r}")
+        db = int(parts[1])
+    sentinel_kwargs: dict[str, Any] = {}
+    for name, value in parse_qsl(query_text, keep_blank_values=True):
+        if name == "sentinel_password":
+            sentinel_kwargs["password"] = value
+        elif name == "sentinel_username":
+            sentinel_kwargs["username"] = value
+        elif name in ("socket_timeout", "socket_connect_timeout"):
+            options[name] = float(value)
+        else:
+            raise ValueError(f"unknown query parameter {name!r} (redis+sentinel:// takes "
+                             "sentinel_password, sentinel_username, socket_timeout, "
+                             "socket_connect_timeout)")
+    # the sentinels get the same timeouts as the servers (a dead sentinel must not hang us)
+    for name in ("socket_timeout", "socket_connect_timeout", "socket_keepalive"):
+        if name in options:
+            sentinel_kwargs.setdefault(name, options[name])
+    if username is not None:
+        options["username"] = username
+    if password is not None:
+        options["password"] = password
+    from redis.sentinel import Sentinel
+    manager = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **options)
+    return manager.master_for(service, redis_class=redis.Redis, db=db)
+
+
+def _host_port(item: str) -> tuple[str, int]:
+    item = item.strip()
+    if not item:
+        raise ValueError("no sentinel address: write redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE")
+    if item.startswith("["):
+        host, bracket, tail = item[1:].partition("]")
+        if not bracket or (tail and not tail.startswith(":")):
+            raise ValueError(f"bad sentinel address {item!r}")
+        port_text = tail[1:]
+    else:
+        host, _, port_text = item.partition(":")
+    if not port_text:
+        return host, SENTINEL_PORT
+    if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
+        raise ValueError(f"bad sentinel port in {item!r}")
+    return host, int(port_text)
 
 
 def _check_db(url: str) -> None:
