@@ -99,6 +99,10 @@ def parse(raw: bytes | str) -> dict[str, Any]:
         raise MalformedPayload("payload is not valid UTF-8") from None
     except ValueError as exc:
         raise MalformedPayload(f"payload is not JSON: {exc}") from None
+    except RecursionError:
+        # json's decoder recurses per nesting level: '[' * 100000 would otherwise escape as
+        # RecursionError, killing the processor thread (or stalling every scheduler poll)
+        raise MalformedPayload("payload is JSON nested too deeply to decode") from None
     if type(job) is not dict:
         raise MalformedPayload(f"payload is JSON {type(job).__name__}, not an object")
     name = job.get("class")
