@@ -1,0 +1,311 @@
+"""Hostile input: a corpus of bad entries written straight into Redis, then property tests.
+
+One real `forkq start --no-fork` worker is fed the whole corpus at once (queue:default,
+schedule and retry), interleaved with good jobs. Every good job must run exactly once,
+every bad entry must end in `dead` with a readable reason (or, where Sidekiq would run or
+retry it, there: each case says which), and the worker must keep running.
+
+Then hypothesis: payload.parse raises nothing but MalformedPayload, retry.backoff stays in
+Sidekiq's bounds, and Outcomes.failed routes any retry_count to retry or dead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from corekit import core_jobs, records, wait_records, workers, zset  # noqa: F401
+from forkq import payload, retry
+from forkq.errors import MalformedPayload
+from helpers import wait_until
+
+RECORD = "tests.apps.core_jobs.record"
+FAIL = "tests.apps.core_jobs.fail"
+
+
+def _job(cls, args, **extra):
+    return json.dumps({"class": cls, "args": args, "jid": payload.new_jid(), "retry": True,
+                       "queue": "default", "created_at": time.time(), **extra}).encode()
+
+
+def _nested(depth):
+    value = ["leaf"]
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+# queue:default entries: (raw, expected fate, what the reason must mention)
+#   fate "dead": dead set, error_class forkq.MalformedPayload unless noted
+#   fate "retry": retry set (Sidekiq retries it too)
+#   fate "ran": a legitimately runnable job
+BIG = 10 * 1024 * 1024
+QUEUE_CORPUS = [
+    (b"this is { not json", "dead", "not JSON"),
+    (b"42", "dead", "JSON int, not an object"),
+    (b"null", "dead", "JSON NoneType, not an object"),
+    (b'"a string"', "dead", "JSON str, not an object"),
+    (b'{"args": ["no class"]}', "dead", "no 'class' string"),
+    (b'{"class": null, "args": []}', "dead", "no 'class' string"),
+    (json.dumps({"class": RECORD}).encode(), "dead", "'args' is missing"),
+    (json.dumps({"class": RECORD, "args": {"a": 1}}).encode(), "dead", "'args' is missing or not a list"),
+    (json.dumps({"class": RECORD, "args": "abc"}).encode(), "dead", "'args' is missing or not a list"),
+    (b'{"class": "tests.apps.core_jobs.record", "args": ["\xc3\x28 bad"]}', "dead", "not valid UTF-8"),
+    (b"\xff\xfe\x00garbage", "dead", "not valid UTF-8"),
+    # nested deeper than json's decoder recursion: used to escape as RecursionError
+    (b"[" * 200_000, "dead", "nested too deeply"),
+    # 10 MB of garbage: dead, and its bytes are kept
+    (b"x" * BIG, "dead", "not JSON"),
+    # retry_count far past any limit: the failure exhausts retries, so dead (Sidekiq too),
+    # with the job's own error as the reason
+    (_job(FAIL, ["huge-count"], retry_count=10**30), "dead", "boom huge-count"),
+    # unknown class: Sidekiq retries it (its code may be on the way in a rolling deploy)
+    (_job("NoSuch.Job", ["unknown"]), "retry", "NoSuch.Job"),
+    # a 1 MB class name: an unknown class, so retry; the message is cut at 10,000 chars
+    (_job("C" * (1024 * 1024), ["long-name"]), "retry", "CCCC"),
+    # a negative retry_count is not a count: the failure is counted as the first one
+    (_job(FAIL, ["negative-count"], retry_count=-5), "retry", "boom negative-count"),
+    # retry as a string is not false and not a number: Sidekiq's default 25 retries
+    (_job(FAIL, ["string-retry"], retry="yes please"), "retry", "boom string-retry"),
+]
+# Runnable, so they must run exactly once (checked through core:ran)
+QUEUE_RUNNABLE = [
+    (_job(RECORD, ["nested", _nested(100)]), "nested"),
+    (_job(RECORD, ["big-but-valid"], pad="p" * BIG), "big-but-valid"),
+    # a `queue` field that disagrees with the list it was found on: it runs where it was found
+    (_job(RECORD, ["wrong-queue-field"], queue="does-not-exist"), "wrong-queue-field"),
+]
+
+# Sorted-set entries: (key, raw, score, fate, reason)
+
+
+def _zset_corpus(now):
+    return [
+        ("schedule", b"{oops", now - 5, "dead", "not JSON"),
+        ("schedule", b'["class", "args"]', now - 5, "dead", "JSON list, not an object"),
+        ("schedule", json.dumps({"class": RECORD, "args": [], "queue": 5}).encode(), now - 5,
+         "dead", "payload 'queue' is 5"),
+        ("schedule", json.dumps({"class": RECORD, "args": [], "queue": ""}).encode(), now - 5,
+         "dead", "payload 'queue' is ''"),
+        ("schedule", json.dumps({"class": RECORD, "args": [], "queue": "a\nb"}).encode(), now - 5,
+         "dead", "not a queue name"),
+        ("schedule", b"[" * 200_000, now - 5, "dead", "nested too deeply"),
+        ("retry", b'{"class": "X"}', now - 5, "dead", "'args' is missing"),
+        ("retry", b'{"class": "X", "args": ["\xc3\x28"]}', now - 5, "dead", "not valid UTF-8"),
+    ]
+
+
+# Sorted-set entries that are runnable: (key, raw, score, tag)
+def _zset_runnable(now):
+    return [
+        ("schedule", _job(RECORD, ["sched-minus-inf"]), float("-inf"), "sched-minus-inf"),
+        ("schedule", _job(RECORD, ["sched-negative"]), -1e9, "sched-negative"),
+        ("schedule", _job(RECORD, ["sched-zero"]), 0, "sched-zero"),
+        ("retry", _job(RECORD, ["retry-huge-count"], retry_count=10**30), now - 1, "retry-huge-count"),
+        ("retry", _job(RECORD, ["retry-minus-inf"], retry_count=-5), float("-inf"), "retry-minus-inf"),
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_hostile_corpus_ends_in_dead_or_where_sidekiq_puts_it(workers, r):
+    now = time.time()
+    good = [f"good-{i}" for i in range(12)]
+    # Redis itself refuses a NaN score, so a NaN-scored entry can never exist
+    with pytest.raises(redis.ResponseError):
+        r.zadd("schedule", {b'{"class": "X", "args": []}': float("nan")})
+    # A job in schedule naming a queue nobody works: moved to that queue, as Sidekiq does
+    # (a queue exists as soon as something is pushed to it); it waits there, untouched.
+    elsewhere = _job(RECORD, ["elsewhere"], queue="does-not-exist")
+    r.zadd("schedule", {elsewhere: now - 3})
+    # never due: +inf stays in schedule forever, as in Sidekiq
+    never = _job(RECORD, ["never"])
+    r.zadd("schedule", {never: float("inf")})
+
+    bad = [raw for raw, _, _ in QUEUE_CORPUS]
+    runnable = [raw for raw, _ in QUEUE_RUNNABLE]
+    entries = bad + runnable
+    # interleave good jobs with the hostile ones, all onto queue:default
+    for i, raw in enumerate(entries):
+        r.lpush("queue:default", raw)
+        if i % 2 == 0 and good:
+            r.lpush("queue:default", _job(RECORD, [good.pop()]))
+    for tag in good:
+        r.lpush("queue:default", _job(RECORD, [tag]))
+    for key, raw, score, _, _ in _zset_corpus(now):
+        r.zadd(key, {raw: score})
+    for key, raw, score, _ in _zset_runnable(now):
+        r.zadd(key, {raw: score})
+
+    worker = workers(concurrency=3, poll_interval=0.5, extra_args=["--heartbeat-interval", "1"])
+
+    good_tags = [f"good-{i}" for i in range(12)]
+    ran_tags = good_tags + [t for _, t in QUEUE_RUNNABLE] + [t for *_, t in _zset_runnable(now)]
+    wait_records(r, len(ran_tags), worker, kind="record", timeout=30)
+    n_dead = sum(f == "dead" for *_, f, _ in QUEUE_CORPUS) + len(_zset_corpus(now))
+    n_retry = sum(f == "retry" for *_, f, _ in QUEUE_CORPUS)
+    wait_until(lambda: worker.assert_alive() or (r.zcard("dead") >= n_dead and r.zcard("retry") >= n_retry),
+               timeout=20, message=f"{n_dead} dead and {n_retry} retry entries")
+    wait_until(lambda: r.llen("queue:default") == 0, timeout=10, message="queue:default drained")
+    wait_until(lambda: r.hlen(f"forkq:inflight:{worker.identity}") == 0, timeout=10,
+               message="nothing left in flight")
+
+    # every good and runnable job ran exactly once
+    got = sorted(rec["args"][0] for rec in records(r, "record"))
+    assert got == sorted(ran_tags)
+    nested = [rec for rec in records(r, "record") if rec["args"][0] == "nested"]
+    assert nested[0]["args"][1] == _nested(100)
+
+    # every bad entry is in dead, with a reason naming its problem
+    dead = [entry for entry, _ in zset(r, "dead")]
+    assert len(dead) == n_dead, [d["error_message"][:200] for d in dead]
+    messages = [d["error_message"] for d in dead]
+    expected_dead = [(reason, where) for _, f, reason in QUEUE_CORPUS if f == "dead" for where in ["queue"]]
+    expected_dead += [(reason, key) for key, _, _, f, reason in _zset_corpus(now)]
+    for reason, where in expected_dead:
+        hits = [m for m in messages if reason in m]
+        assert hits, f"no dead entry mentions {reason!r}: {[m[:120] for m in messages]}"
+        if where in ("schedule", "retry"):
+            assert any(f"in {where}" in m for m in hits), (where, hits, "\n".join(m[:150] for m in messages))
+    for entry in dead:
+        assert len(entry["error_message"]) <= 10_000 + 500
+        if entry["error_class"] == "forkq.MalformedPayload":
+            assert "forkq_original" in entry or "forkq_original_base64" in entry
+    (huge,) = [d for d in dead if d.get("error_message") == "boom huge-count"]
+    assert huge["error_class"] == "ValueError" and huge["retry_count"] == 10**30 + 1
+    (garbage,) = [d for d in dead if d.get("forkq_original", "").startswith("xxxx")]
+    assert len(garbage["forkq_original"]) == BIG
+
+    # the retryable ones wait in retry, with sane counts
+    retried = {json.dumps(e["args"]): e for e, _ in zset(r, "retry")}
+    assert len(retried) == n_retry
+    assert retried['["unknown"]']["error_class"] == "forkq.errors.UnknownJob"
+    long_name = retried['["long-name"]']
+    assert long_name["error_class"] == "forkq.errors.UnknownJob"
+    assert len(long_name["error_message"]) == 10_000  # cut as Sidekiq does
+    assert retried['["negative-count"]']["retry_count"] == 0
+    assert retried['["string-retry"]']["retry_count"] == 0
+    assert retried['["string-retry"]']["retry"] == "yes please"  # kept untouched
+
+    # the schedule entry naming another queue is on that queue; +inf never became due
+    (moved,) = r.lrange("queue:does-not-exist", 0, -1)
+    assert json.loads(moved)["args"] == ["elsewhere"]
+    assert b"does-not-exist" in r.smembers("queues")
+    assert r.zrange("schedule", 0, -1) == [never]
+
+    # still alive and heartbeating
+    worker.assert_alive()
+    seen = float(r.hget(worker.identity, "beat"))
+    wait_until(lambda: float(r.hget(worker.identity, "beat") or 0) > seen, timeout=5,
+               message="a fresh heartbeat")
+    assert worker.identity.encode() in r.smembers("processes")
+    assert not [k for k in r.keys("forkq:inflight:*") if r.hlen(k)]
+    worker.assert_alive()
+
+
+# -- property tests -----------------------------------------------------------------------------
+
+json_scalars = (st.none() | st.booleans() | st.integers() | st.text()
+                | st.floats(allow_nan=True, allow_infinity=True))
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_parse_of_arbitrary_bytes_raises_only_malformed_payload(raw):
+    try:
+        job = payload.parse(raw)
+    except MalformedPayload as exc:
+        assert str(exc)
+    else:
+        assert type(job) is dict and type(job["class"]) is str and type(job["args"]) is list
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["class", "args", "jid", "queue", "retry", "retry_count"])
+                       | st.text(max_size=5), json_values, max_size=6),
+       st.sampled_from(["utf-8", "str"]))
+def test_parse_of_any_json_object_raises_only_malformed_payload(obj, form):
+    text = json.dumps(obj)  # Python writes NaN/Infinity, which its reader accepts
+    raw = text if form == "str" else text.encode("utf-8", "surrogatepass")
+    try:
+        job = payload.parse(raw)
+    except MalformedPayload as exc:
+        assert str(exc)
+    else:
+        assert job.keys() == obj.keys()
+        assert type(job["class"]) is str and job["class"] and type(job["args"]) is list
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000, b'{"a":' * 100_000, "[" * 100_000])
+def test_parse_of_deeply_nested_json_is_malformed_not_recursion_error(raw):
+    with pytest.raises(MalformedPayload, match="nested too deeply"):
+        payload.parse(raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(min_value=0, max_value=10**6))
+def test_backoff_is_within_sidekiqs_bounds(count):
+    delay = retry.backoff(count)
+    assert count**4 + 15 <= delay <= count**4 + 15 + 9 * (count + 1)
+
+
+def _expected_backoff(count, monkeypatch):
+    """The exact mean over Sidekiq's ten jitter values."""
+    total = 0
+    for k in range(10):
+        monkeypatch.setattr(retry.random, "randrange", lambda n, k=k: k)
+        total += retry.backoff(count)
+    return total / 10
+
+
+def test_backoff_is_increasing_in_expectation(monkeypatch):
+    means = [_expected_backoff(c, monkeypatch) for c in range(0, 60)]
+    assert all(a < b for a, b in zip(means, means[1:]))
+    assert means[0] == 15 + 4.5
+
+
+retry_counts = st.one_of(
+    st.integers(), st.integers(min_value=10**18, max_value=10**60), st.integers(max_value=-1),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=10), st.none(), st.booleans(),
+    st.lists(st.integers(), max_size=2),
+)
+retry_options = st.one_of(st.booleans(), st.integers(min_value=-5, max_value=30), st.none(),
+                          st.text(max_size=5), st.floats(allow_nan=False))
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(count=retry_counts, option=retry_options, has_option=st.booleans())
+def test_a_failure_with_any_retry_count_ends_in_retry_or_dead(r, count, option, has_option):
+    from forkq.retry import Outcomes
+
+    r.delete("retry", "dead", "forkq:inflight:prop")
+    job = {"class": "Prop", "args": [1], "jid": payload.new_jid(), "queue": "default",
+           "retry_count": count}
+    if has_option:
+        job["retry"] = option
+    outcomes = Outcomes(r, "forkq:inflight:prop")
+    r.hset("forkq:inflight:prop", "7", b"default\n" + json.dumps(job).encode())
+    fate = outcomes.failed(job, ValueError("prop"), "7", None)
+    assert not r.exists("forkq:inflight:prop")  # released in the same write
+    where = {"retry": r.zcard("retry"), "dead": r.zcard("dead")}
+    if fate == "dropped":
+        assert job.get("retry") is False and where == {"retry": 0, "dead": 0}
+        return
+    assert fate in ("retry", "dead")
+    assert where == {fate: 1, ("dead" if fate == "retry" else "retry"): 0}
+    (stored, score), = zset(r, fate)
+    assert type(stored["retry_count"]) is int and stored["retry_count"] >= 0
+    assert stored["error_class"] == "ValueError" and stored["error_message"] == "prop"
+    assert math.isfinite(score)
+    if fate == "retry":
+        assert score >= time.time() + 14
