@@ -90,6 +90,25 @@ def _tls_options(url: str, options: dict[str, Any]) -> None:
             raise ValueError(f"{option}: no such file {path!r}")
 
 
+def tls_hint(url: str, options: dict[str, Any], exc: BaseException) -> str:
+    """A sentence to add to a TLS connection error, or "": a server that requires a client
+    certificate just closes the handshake, which Python reports as a bare EOF."""
+    if not url.lower().startswith("rediss://"):
+        return ""
+    text = str(exc)
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        return (" (the server's certificate was not trusted: give its CA with ssl_ca_certs= "
+                "or FORKQ_REDIS_CA)")
+    if "EOF" in text or "SSL" in text:
+        query = dict(parse_qsl(urlsplit(url).query))
+        if not (query.get("ssl_certfile") or options.get("ssl_certfile")
+                or os.environ.get("FORKQ_REDIS_CERT")):
+            return (" (the TLS handshake failed and no client certificate was given: if the "
+                    "server requires one, set ssl_certfile= and ssl_keyfile=, or "
+                    "FORKQ_REDIS_CERT and FORKQ_REDIS_KEY)")
+    return ""
+
+
 def _connect_sentinel(url: str, options: dict[str, Any]) -> redis.Redis:
     """redis+sentinel://[user:password@]host:port[,host:port...]/SERVICE[/DB][?sentinel_password=...]
 
@@ -264,7 +283,8 @@ class Client:
                     "may or may not have been pushed") from None
             except redis.ConnectionError as exc:
                 raise RedisUnavailable(
-                    f"cannot reach Redis at {mask_url(self.url)}: {exc}; the job was not pushed") from None
+                    f"cannot reach Redis at {mask_url(self.url)}: {exc}; the job was not pushed"
+                    f"{tls_hint(self.url, self._options, exc)}") from None
         raise AssertionError("unreachable")
 
 
