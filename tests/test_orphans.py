@@ -126,6 +126,9 @@ def test_another_hosts_dead_forkq_is_recovered_within_the_delay(instances, r, re
     forkq.Client(redis_url).push_bulk("orphan.work", [[f"k{i}", 30] for i in range(4)])
     wait_until(lambda: sum(r.hlen(keys.inflight(i)) for i in a_identities) >= 1, timeout=10,
                message="a holds jobs")
+    # registration comes before the first heartbeat: wait until every child has beaten
+    wait_until(lambda: all(r.hget(i, "beat") for i in a_identities), timeout=10,
+               message="a's children heartbeating")
     held = sum(r.hlen(keys.inflight(i)) for i in a_identities)
     last_beat = max(float(r.hget(i, "beat")) for i in a_identities)
     a.kill_all()
