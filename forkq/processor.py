@@ -11,7 +11,7 @@ from . import hooks, logs, payload
 from .errors import MalformedPayload, UnknownJob
 from .fetch import Unit
 from .jobs import lookup
-from .retry import Outcomes, dead_entry_for_malformed
+from .retry import Outcomes, dead_entry_for_malformed, message
 
 if TYPE_CHECKING:
     from .manager import Manager
@@ -82,7 +82,7 @@ class Processor:
             except ValueError as err:
                 # It parsed, but cannot be written back as JSON/UTF-8 (NaN, Infinity, a lone
                 # surrogate escape): left alone it would stay in flight and run again forever.
-                reason = (f"failed with {type(exc).__name__}: {exc}; then the payload could not "
+                reason = (f"failed with {type(exc).__name__}: {message(exc)}; then the payload could not "
                           f"be re-encoded for retry: {err}")
                 return self._malformed(unit, reason.encode("utf-8", "backslashreplace").decode())
             except Exception:
@@ -90,7 +90,7 @@ class Processor:
                               jid=job.get("jid"))
                 return False
             log.warning("fail", elapsed_ms=round(elapsed, 2), fate=fate,
-                        error=f"{type(exc).__name__}: {exc}")
+                        error=f"{type(exc).__name__}: {message(exc)}")
             return False  # the outcome write already released the in-flight entry
         self.current = None
         if self._log_jobs:

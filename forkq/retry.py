@@ -17,6 +17,11 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_RETRIES = 25
 MESSAGE_LIMIT = 10_000
+# The furthest a retry is scheduled. A payload may carry any `retry` and `retry_count`
+# (10**80 of each, say): count**4 then no longer fits a float, and `now + delay` raised
+# OverflowError, leaving the job in flight to run again. Sidekiq's Ruby turns such a
+# delay into an infinite score; a century is as good as never and stays a finite float.
+MAX_DELAY_S = 100 * 365 * 86400
 
 
 def backoff(count: int) -> float:
@@ -51,6 +56,15 @@ def error_class(exc: BaseException) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
+def message(exc: BaseException) -> str:
+    """str(exc), or a stand-in when the exception's own __str__ raises: a job's broken
+    exception class must not stop its failure from being recorded."""
+    try:
+        return str(exc)
+    except Exception as err:
+        return f"<str() of {type(exc).__name__} raised {type(err).__name__}>"
+
+
 def _utf8(text: str) -> str:
     """text that encodes as UTF-8: a lone surrogate (a filename read with surrogateescape,
     say) becomes a visible \\udcff escape instead of making the retry write fail."""
@@ -59,7 +73,7 @@ def _utf8(text: str) -> str:
 
 def record_failure(job: dict[str, Any], exc: BaseException, now: float) -> None:
     """Stamp the error fields as Sidekiq does; unknown fields stay untouched."""
-    job["error_message"] = _utf8(str(exc)[:MESSAGE_LIMIT])
+    job["error_message"] = _utf8(message(exc)[:MESSAGE_LIMIT])
     job["error_class"] = error_class(exc)
     count = job.get("retry_count")
     if type(count) is int and count >= 0:
@@ -156,7 +170,7 @@ class Outcomes:
             if decision != "kill":
                 if type(job.get("retry_queue")) is str:
                     job["queue"] = job["retry_queue"]
-                at = now + decision
+                at = now + min(decision, MAX_DELAY_S)
                 return "retry", lambda token: self.to_retry(job, token, at)
         elif jobdef is not None and jobdef.exhausted_hook is not None:
             try:
