@@ -152,6 +152,10 @@ def test_hostile_corpus_ends_in_dead_or_where_sidekiq_puts_it(workers, r):
     worker = workers(concurrency=3, poll_interval=0.5,
                      extra_args=["--heartbeat-interval", "1", "--require", str(HOSTILE_JOBS)])
 
+    # remote signals nobody defined, one not even UTF-8: ignored, the worker carries on
+    for sig in (b"\xff\xfe", b"rm -rf /", b"KILL", b"TERM\x00"):
+        r.lpush(f"{worker.identity}-signals", sig)
+
     good_tags = [f"good-{i}" for i in range(12)]
     ran_tags = good_tags + [t for _, t in QUEUE_RUNNABLE] + [t for *_, t in _zset_runnable(now)]
     wait_records(r, len(ran_tags), worker, kind="record", timeout=30)
@@ -222,6 +226,24 @@ def test_hostile_corpus_ends_in_dead_or_where_sidekiq_puts_it(workers, r):
                message="a fresh heartbeat")
     assert worker.identity.encode() in r.smembers("processes")
     assert not [k for k in r.keys("forkq:inflight:*") if r.hlen(k)]
+    wait_until(lambda: r.llen(f"{worker.identity}-signals") == 0, timeout=5,
+               message="the remote signals read")
+    worker.assert_alive()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="claim_suspect.lua splits each forkq:suspects entry at its first newline "
+                          "without checking there is one: an entry without one makes every call "
+                          "fail, is left in the worker's in-flight hash, and the worker never "
+                          "claims a job again (forkq/scripts/claim_suspect.lua, not this suite's "
+                          "to fix)")
+@pytest.mark.timeout(30)
+def test_a_garbage_entry_in_forkq_suspects_does_not_wedge_the_worker(workers, r):
+    r.lpush("forkq:suspects", b"an entry without the QUEUE-newline prefix")
+    worker = workers(concurrency=1, extra_args=["--heartbeat-interval", "0.5"])
+    wait_until(lambda: r.llen("forkq:suspects") == 0, timeout=5, message="the suspect taken")
+    r.lpush("queue:default", _job(RECORD, ["after-garbage-suspect"]))
+    wait_records(r, 1, worker, kind="record", timeout=4)
     worker.assert_alive()
 
 

@@ -86,10 +86,13 @@ def test_a_payload_naming_any_unregistered_callable_never_runs_it(workers, r, tm
         ("tests.apps.core_jobs.record.__globals__", []),
         ("tests.apps.core_jobs.os.system", [f"touch {m['system']}"]),
         ("__import__", ["os"]),
+        # `wrapped` is only a display name: it never picks the code to run
+        ("ActiveJob::QueueAdapters::SidekiqAdapter::JobWrapper", ["wrapped"]),
     ]
     for i, (cls, args) in enumerate(hostile):
         r.lpush("queue:default", json.dumps({"class": cls, "args": args, "jid": f"{i:024x}",
-                                             "retry": True, "queue": "default"}))
+                                             "retry": True, "queue": "default",
+                                             "wrapped": "tests.apps.core_jobs.record"}))
     # the only processor takes jobs in order: once this has run, every hostile one was handled
     r.lpush("queue:default", json.dumps({"class": "tests.apps.core_jobs.record", "args": ["last"],
                                          "jid": "f" * 24, "queue": "default"}))
