@@ -253,9 +253,12 @@ class Supervisor:
         slot = self.slots[child.slot]
         slot.last_exit = f"{how}: {child.fatal}" if child.fatal else how
         lived = time.monotonic() - child.started
-        # a child that died holding jobs got past its start: the jobs are suspects (the
-        # poison count deals with them), not a sign the app cannot boot
-        if crashed and not expected and lived < self.settings.boot_window and not any(held):
+        # Only a child that never got going counts toward giving up: one that reported a
+        # fatal error, or died early without ever reporting ready. A child killed after it
+        # was up (OOM killer, an operator) or holding jobs (suspects, the poison count deals
+        # with them) says nothing about whether the app can boot.
+        failed_to_start = child.fatal or (not child.ready and lived < self.settings.boot_window)
+        if crashed and not expected and failed_to_start and not any(held):
             slot.failures += 1
             slot.next_spawn = time.monotonic() + min(0.1 * 2 ** (slot.failures - 1), 10.0)
         else:
