@@ -231,12 +231,6 @@ def test_hostile_corpus_ends_in_dead_or_where_sidekiq_puts_it(workers, r):
     worker.assert_alive()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="claim_suspect.lua splits each forkq:suspects entry at its first newline "
-                          "without checking there is one: an entry without one makes every call "
-                          "fail, is left in the worker's in-flight hash, and the worker never "
-                          "claims a job again (forkq/scripts/claim_suspect.lua, not this suite's "
-                          "to fix)")
 @pytest.mark.timeout(30)
 def test_a_garbage_entry_in_forkq_suspects_does_not_wedge_the_worker(workers, r):
     r.lpush("forkq:suspects", b"an entry without the QUEUE-newline prefix")
@@ -245,6 +239,9 @@ def test_a_garbage_entry_in_forkq_suspects_does_not_wedge_the_worker(workers, r)
     r.lpush("queue:default", _job(RECORD, ["after-garbage-suspect"]))
     wait_records(r, 1, worker, kind="record", timeout=4)
     worker.assert_alive()
+    (entry,) = [json.loads(m) for m in r.zrange("dead", 0, -1)]
+    assert "QUEUE" in entry["error_message"]
+    assert entry["forkq_original"] == "an entry without the QUEUE-newline prefix"
 
 
 # -- property tests -----------------------------------------------------------------------------

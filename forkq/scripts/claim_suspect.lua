@@ -60,7 +60,20 @@ if #flat > 0 then
   redis.call('DEL', hash)
 end
 
+-- An entry that is not "QUEUE\nPAYLOAD" was not written by forkq: it cannot be run or
+-- put back anywhere, so it goes to dead with the reason (its bytes kept), and the next one
+-- is taken. Left in place it would fail every claim and wedge the worker.
 local v = redis.call('RPOP', suspects)
+while v and not string.find(v, "\n", 1, true) do
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+  redis.call('ZADD', 'dead', now, cjson.encode({
+    ['class'] = 'forkq.MalformedJob', args = {}, jid = string.format('%012x%012x', t[1], t[2]),
+    queue = '', retry = false, error_class = 'forkq.MalformedPayload',
+    error_message = 'forkq:suspects entry is not QUEUE<newline>PAYLOAD', failed_at = now,
+    forkq_original = v}))
+  v = redis.call('RPOP', suspects)
+end
 if not v then
   return {returned}
 end
