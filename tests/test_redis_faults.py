@@ -1,0 +1,139 @@
+"""A supervised forkq rides through Redis faults: a 10 s stall, connections cut mid-command,
+and warns at boot when Redis may evict jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import forkq
+from helpers import wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+APP = REPO / "tests" / "apps" / "chaos_jobs.py"
+
+
+def _start(url: str, tmp: Path, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, FORKQ_REDIS_URL=url, PYTHONPATH=str(REPO))
+    return subprocess.Popen(
+        [sys.executable, "-m", "forkq", "start", "--require", str(APP), "--queue", "chaos",
+         "--processes", "2", "--concurrency", "5", "--heartbeat-interval", "0.5",
+         "--log-format", "json", "--pidfile", str(tmp / "pid"), *args],
+        env=env, cwd=REPO, stdout=open(tmp / "log", "w"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+
+
+def _ran(r) -> set[int]:
+    return {int(v) for v in r.hvals("chaos:execs")}
+
+
+def _private(r) -> list[bytes]:
+    return [k for pat in ("forkq:inflight:*", "forkq:landing:*") for k in r.scan_iter(pat)]
+
+
+def _stop(master: subprocess.Popen) -> int:
+    if master.poll() is None:
+        master.send_signal(signal.SIGTERM)
+        try:
+            return master.wait(40)
+        except subprocess.TimeoutExpired:
+            os.killpg(master.pid, signal.SIGKILL)
+            master.wait()
+    return master.returncode
+
+
+@pytest.mark.timeout(120)
+def test_master_and_children_ride_through_redis_not_answering_for_10s(own_redis, tmp_path):
+    r = own_redis.client()
+    n = 2000
+    forkq.Client(own_redis.url).push_bulk("chaos.record", [[i, False] for i in range(n)], queue="chaos")
+    master = _start(own_redis.url, tmp_path)
+    try:
+        wait_until(lambda: len(_ran(r)) >= 50, timeout=30, message="jobs under way")
+        assert r.llen("queue:chaos") > 0, "every job ran before the stall: nothing tested"
+        own_redis.pause()
+        stalled_at = time.time()
+        time.sleep(10)  # the fault itself: Redis answers nothing for 10 s
+        own_redis.resume()
+        assert master.poll() is None, "the master died while Redis stalled"
+        wait_until(lambda: _ran(r) == set(range(n)), timeout=60,
+                   message="every job ran after Redis came back")
+        beats = wait_until(lambda: [float(r.hget(m, "beat") or 0) for m in r.smembers("processes")],
+                           timeout=5)
+        wait_until(lambda: len([m for m in r.smembers("processes")
+                                if float(r.hget(m, "beat") or 0) > stalled_at + 10]) >= 2,
+                   timeout=15, message="both children heartbeat again", interval=0.1)
+        assert beats
+        assert _stop(master) == 0
+        assert _private(r) == [] and r.llen("queue:chaos") == 0
+    finally:
+        _stop(master)
+
+
+@pytest.mark.timeout(120)
+def test_connections_cut_mid_command_lose_nothing(own_redis, tmp_path):
+    r = own_redis.client()
+    n = 3000
+    forkq.Client(own_redis.url).push_bulk("chaos.record", [[i, False] for i in range(n)], queue="chaos")
+    master = _start(own_redis.url, tmp_path)
+    cuts = rounds = 0
+    stop = threading.Event()
+
+    def cut() -> None:
+        nonlocal cuts, rounds
+        admin = own_redis.client()
+        while not stop.wait(0.1):
+            # every client but this one: fetch scripts, blocking waits, acks, heartbeats
+            cuts += admin.client_kill_filter(_type="normal", skipme=True)
+            rounds += 1
+        admin.close()
+
+    try:
+        wait_until(lambda: len(_ran(r)) >= 20, timeout=30, message="jobs under way")
+        cutter = threading.Thread(target=cut)
+        cutter.start()
+        try:
+            # about 3 s of every connection cut ten times a second, while jobs are still queued
+            wait_until(lambda: rounds >= 30, timeout=30, message="connections cut repeatedly")
+            assert r.llen("queue:chaos") > 0, "the jobs all ran before the cuts ended: nothing tested"
+        finally:
+            stop.set()
+            cutter.join()
+        assert master.poll() is None
+        wait_until(lambda: _ran(r) == set(range(n)), timeout=60, message="every job ran")
+        assert _stop(master) == 0
+        assert _private(r) == [] and r.llen("queue:chaos") == 0 and r.llen("forkq:suspects") == 0
+    finally:
+        stop.set()
+        _stop(master)
+
+
+@pytest.mark.timeout(60)
+def test_boot_warns_when_redis_may_evict_jobs(own_redis, tmp_path):
+    own_redis.client().config_set("maxmemory-policy", "allkeys-lru")
+    master = _start(own_redis.url, tmp_path)
+    try:
+        def warning():
+            for line in (tmp_path / "log").read_text().splitlines():
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if "maxmemory-policy" in event.get("event", ""):
+                    return event
+            return None
+        event = wait_until(warning, timeout=20, message="a boot warning about maxmemory-policy")
+        assert event["policy"] == "allkeys-lru" and event["level"] == "warning"
+        # the warning comes before the master traps signals: stop it once it is up
+        wait_until(lambda: own_redis.client().scard("processes") == 2, timeout=20,
+                   message="children up")
+    finally:
+        assert _stop(master) == 0
