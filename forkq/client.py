@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import time
@@ -242,18 +243,27 @@ class Client:
             return []
         run_at = None if at is None else epoch(at)
         now = time.time()
-        pipe = self.redis.pipeline(transaction=False)
         if run_at is not None and run_at > now:
-            pipe.zadd(keys.SCHEDULE, {payload.dumps(j): run_at for j in jobs})
-        else:
-            by_queue: dict[str, list[str]] = {}
-            for j in jobs:
-                j["enqueued_at"] = now
-                by_queue.setdefault(j["queue"], []).append(payload.dumps(j))
+            members = {payload.dumps(j): run_at for j in jobs}
+            self._send(lambda c: c.zadd(keys.SCHEDULE, members))
+            return [j["jid"] for j in jobs]
+        by_queue: dict[str, list[str]] = {}
+        for j in jobs:
+            j["enqueued_at"] = now
+            by_queue.setdefault(j["queue"], []).append(payload.dumps(j))
+        if len(by_queue) == 1:
+            ((q, raws),) = by_queue.items()
+            if len(raws) <= PUSH_SCRIPT_MAX:
+                self._send(lambda c: _push_script(c, q, raws))
+                return [j["jid"] for j in jobs]
+
+        def pipelined(c: redis.Redis) -> list[Any]:
+            pipe = c.pipeline(transaction=False)
             for q, raws in by_queue.items():
                 pipe.sadd(keys.QUEUES, q)
                 pipe.lpush(keys.queue(q), *raws)
-        self._execute(pipe)
+            return pipe.execute()
+        self._send(pipelined)
         return [j["jid"] for j in jobs]
 
     def _through_middleware(self, job: dict[str, Any]) -> dict[str, Any] | None:
@@ -263,19 +273,17 @@ class Client:
                 return None
         return job
 
-    def _execute(self, pipe: redis.client.Pipeline) -> list[Any]:
-        commands = list(pipe.command_stack)
+    def _send(self, run: Callable[[redis.Redis], Any]) -> Any:
+        """Run one push on this client's connection, turning Redis trouble into forkq errors."""
         for attempt in (1, 2):
             try:
-                return pipe.execute()
+                return run(self.redis)
             except redis.ReadOnlyError:
                 # A failover just happened and we still talk to the old primary: reconnect
                 # and try once more, as the new primary is where the write belongs.
                 if attempt == 2:
                     raise RedisUnavailable(f"Redis at {mask_url(self.url)} is read-only") from None
                 self._redis = None
-                pipe = self.redis.pipeline(transaction=False)
-                pipe.command_stack.extend(commands)
             except redis.TimeoutError as exc:
                 # the commands may have reached Redis and run: only their reply is missing
                 raise RedisUnavailable(
@@ -286,6 +294,21 @@ class Client:
                     f"cannot reach Redis at {mask_url(self.url)}: {exc}; the job was not pushed"
                     f"{tls_hint(self.url, self._options, exc)}") from None
         raise AssertionError("unreachable")
+
+
+# One job or one batch of one queue (the common case) is a single EVALSHA, which redis-py
+# sends with less work than a two-command pipeline; SADD and LPUSH also become atomic.
+_PUSH = "redis.call('SADD', KEYS[2], ARGV[1]) return redis.call('LPUSH', KEYS[1], unpack(ARGV, 2))"
+_PUSH_SHA = hashlib.sha1(_PUSH.encode()).hexdigest()
+PUSH_SCRIPT_MAX = 16  # a big batch is cheaper as LPUSH in a pipeline than unpacked in Lua
+
+
+def _push_script(conn: redis.Redis, queue_name: str, raws: list[str]) -> Any:
+    args = (2, keys.queue(queue_name), keys.QUEUES, queue_name, *raws)
+    try:
+        return conn.execute_command("EVALSHA", _PUSH_SHA, *args)
+    except redis.exceptions.NoScriptError:  # a restarted Redis forgot it: send the body
+        return conn.execute_command("EVAL", _PUSH, *args)
 
 
 _default: Client | None = None

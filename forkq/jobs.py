@@ -101,17 +101,24 @@ class Job:
         opts.update(self.extra)
         return opts
 
+    def _default(self) -> Enqueuer:
+        # built once: a job's options are fixed at decoration, and enqueue is a hot path
+        enqueuer = self.__dict__.get("_enqueuer")
+        if enqueuer is None:
+            enqueuer = self._enqueuer = self.options()
+        return enqueuer
+
     def enqueue(self, *args: Any) -> str | None:
-        return self.options().enqueue(*args)
+        return self._default().enqueue(*args)
 
     def enqueue_in(self, seconds: float, *args: Any) -> str | None:
-        return self.options().enqueue_in(seconds, *args)
+        return self._default().enqueue_in(seconds, *args)
 
     def enqueue_at(self, when: float | datetime, *args: Any) -> str | None:
-        return self.options().enqueue_at(when, *args)
+        return self._default().enqueue_at(when, *args)
 
     def enqueue_many(self, args_list: Iterable[Iterable[Any]], batch_size: int = 1000) -> list[str]:
-        return self.options().enqueue_many(args_list, batch_size)
+        return self._default().enqueue_many(args_list, batch_size)
 
     def retry_in(self, hook: RetryIn) -> RetryIn:
         """Decorator form: `@my_job.retry_in` sets the retry-delay hook."""
