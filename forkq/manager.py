@@ -199,15 +199,8 @@ class Manager:
                 continue
             try:
                 units = self.fetch.fetch(want)
-            except REDIS_ERRORS as exc:
-                self.health.failed(exc)
-                self._wake.wait(delay)
-                delay = min(delay * 2, 2.0)
-                continue
-            except Exception:
-                log.exception("fetch failed")
-                self._wake.wait(delay)
-                delay = min(delay * 2, 2.0)
+            except Exception as exc:
+                delay = self._back_off(exc, delay, "fetch failed")
                 continue
             delay = 0.05
             self.health.ok()
@@ -220,6 +213,16 @@ class Manager:
             self.waiters.arm()
             self._wake.wait()
         self._give_back_unstarted()
+
+    def _back_off(self, exc: Exception, delay: float, what: str) -> float:
+        """After a failed claim (called inside the except block): report it, wait `delay`
+        or until woken, and return the next, longer delay."""
+        if isinstance(exc, REDIS_ERRORS):
+            self.health.failed(exc)  # one line per outage, not one per attempt
+        else:
+            log.exception(what)
+        self._wake.wait(delay)
+        return min(delay * 2, 2.0)
 
     def _isolate(self) -> None:
         """Run the suspects one at a time, each alone in this process, until none is left.
@@ -244,15 +247,8 @@ class Manager:
                     self.fetch.give_back_all_landed()
                     returned_landed = True
                 unit, leftovers = self.fetch.claim_suspect()
-            except REDIS_ERRORS as exc:
-                self.health.failed(exc)
-                self._wake.wait(delay)
-                delay = min(delay * 2, 2.0)
-                continue
-            except Exception:
-                log.exception("claiming a suspect failed")
-                self._wake.wait(delay)
-                delay = min(delay * 2, 2.0)
+            except Exception as exc:
+                delay = self._back_off(exc, delay, "claiming a suspect failed")
                 continue
             delay = 0.05
             self.health.ok()
