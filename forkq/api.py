@@ -1,0 +1,401 @@
+"""Read and manage what forkq (or Sidekiq) keeps in Redis: queues, processes, running jobs,
+the schedule/retry/dead sets and the counters.
+
+Everything here reads Sidekiq's own keys, so it works the same on jobs Ruby Sidekiq pushed.
+It never uses KEYS (it would block Redis on a big database): queues come from the `queues`
+set, processes from the `processes` set, and the sorted sets are read by rank in pages, so
+a dead set of 10,000 entries is never loaded at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import redis
+
+from . import client, control, keys, payload, scripts
+from .errors import MalformedPayload
+
+DEFAULT_PAGE = 500
+
+
+def connect(url: str | None = None) -> redis.Redis:
+    """A connection for admin work: FORKQ_REDIS_URL unless given, with a socket timeout so
+    a command-line call cannot hang forever on an unreachable Redis."""
+    return client.connect(url, socket_timeout=10)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+# -- queues -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QueueInfo:
+    name: str
+    size: int
+    latency: float  # seconds the next job to run has waited; 0 when empty or unknown
+
+
+def _latency(raw: bytes | None, now: float) -> float:
+    """Age of the next job to run (the RIGHTMOST entry: workers pop the right end).
+    Accepts Sidekiq 6/7 float seconds and Sidekiq 8 integer milliseconds."""
+    if not raw:
+        return 0.0
+    try:
+        job = payload.parse(raw)
+    except MalformedPayload:
+        return 0.0
+    stamp = payload.seconds(job.get("enqueued_at"))
+    return max(0.0, now - stamp) if stamp is not None else 0.0
+
+
+def queues(conn: redis.Redis) -> list[QueueInfo]:
+    """Every queue in the `queues` set with its length and latency (two commands a queue,
+    in one round trip)."""
+    names = sorted(_text(n) for n in conn.smembers(keys.QUEUES))
+    if not names:
+        return []
+    pipe = conn.pipeline(transaction=False)
+    for name in names:
+        pipe.llen(keys.queue(name))
+        pipe.lindex(keys.queue(name), -1)
+    replies = pipe.execute()
+    now = time.time()
+    return [QueueInfo(name, int(replies[2 * i]), _latency(replies[2 * i + 1], now))
+            for i, name in enumerate(names)]
+
+
+# -- processes and running jobs ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    identity: str
+    hostname: str | None
+    pid: int | None
+    slot: int | None
+    master: str | None
+    busy: int
+    concurrency: int | None
+    rss_kb: int
+    beat_age: float | None
+    quiet: bool
+    queues: list[str]
+
+
+@dataclass(frozen=True)
+class ProcessGroup:
+    """A forkq master's children (keyed by the master's identity), or one process alone:
+    a Sidekiq process, or a forkq `--no-fork` worker, has no master."""
+    master: str | None
+    processes: list[ProcessInfo]
+
+
+def _process(hb: dict[str, Any]) -> ProcessInfo:
+    info = hb["info"] if isinstance(hb["info"], dict) else {}
+    def _int(name: str) -> int | None:
+        value = info.get(name)
+        return value if type(value) is int else None
+    master = info.get("master")
+    return ProcessInfo(hb["identity"], info.get("hostname"), _int("pid"), _int("slot"),
+                       master if isinstance(master, str) and master else None, hb["busy"],
+                       _int("concurrency"), hb["rss_kb"], hb["beat_age"], hb["quiet"],
+                       [q for q in info.get("queues", []) if isinstance(q, str)])
+
+
+def processes(conn: redis.Redis) -> list[ProcessGroup]:
+    """Live processes (from the `processes` set), children grouped under their master and
+    sorted by slot; groups sorted by master identity, lone processes after them."""
+    groups: dict[str, list[ProcessInfo]] = {}
+    alone: list[ProcessGroup] = []
+    for proc in map(_process, control.heartbeats(conn)):
+        if proc.master is None:
+            alone.append(ProcessGroup(None, [proc]))
+        else:
+            groups.setdefault(proc.master, []).append(proc)
+    out = [ProcessGroup(m, sorted(ps, key=lambda p: (p.slot is None, p.slot or 0, p.identity)))
+           for m, ps in sorted(groups.items())]
+    return out + sorted(alone, key=lambda g: g.processes[0].identity)
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    identity: str
+    thread: str
+    queue: str | None
+    run_at: float | None
+    job: dict[str, Any] | None
+
+
+def _running_entry(identity: str, thread: bytes, raw: bytes) -> RunningJob:
+    """One `IDENTITY:workers` value. Sidekiq 6.4 and forkq store the payload as a JSON
+    string; later Sidekiqs may store it as an object: accept both."""
+    try:
+        entry = payload._decode(raw)
+    except ValueError:
+        entry = {}
+    if not isinstance(entry, dict):
+        entry = {}
+    job = entry.get("payload")
+    if isinstance(job, str):
+        try:
+            job = payload.parse(job)
+        except MalformedPayload:
+            job = None
+    run_at = entry.get("run_at")
+    return RunningJob(identity, _text(thread), entry.get("queue"),
+                      float(run_at) if isinstance(run_at, (int, float)) else None,
+                      job if isinstance(job, dict) else None)
+
+
+def running(conn: redis.Redis) -> list[RunningJob]:
+    """The jobs running now, from each live process's `IDENTITY:workers` hash (falling back
+    to Sidekiq 6.5+'s `IDENTITY:work` for processes that write only that one)."""
+    members = sorted(_text(m) for m in conn.smembers(keys.PROCESSES))
+    if not members:
+        return []
+    pipe = conn.pipeline(transaction=False)
+    for m in members:
+        pipe.hgetall(keys.workers(m))
+        pipe.hgetall(keys.work(m))
+    replies = pipe.execute()
+    out: list[RunningJob] = []
+    for i, identity in enumerate(members):
+        hashes = replies[2 * i] or replies[2 * i + 1]
+        out += [_running_entry(identity, t, v) for t, v in sorted(hashes.items())]
+    return out
+
+
+# -- sorted sets: schedule, retry, dead -------------------------------------------------
+
+
+@dataclass
+class Entry:
+    """One member of a sorted set. `raw` is the exact member, needed to remove it (ZREM
+    matches bytes); `job` is None when the member is not a job forkq can parse."""
+    raw: bytes
+    score: float
+    job: dict[str, Any] | None = field(default=None)
+
+    @classmethod
+    def of(cls, raw: bytes, score: float) -> "Entry":
+        try:
+            job: dict[str, Any] | None = payload.parse(raw)
+        except MalformedPayload:
+            job = None
+        return cls(raw, score, job)
+
+    @property
+    def jid(self) -> str | None:
+        return self.job.get("jid") if self.job else None
+
+    @property
+    def klass(self) -> str | None:
+        return payload.display_name(self.job) if self.job else None
+
+    @property
+    def queue(self) -> str | None:
+        return self.job.get("queue", "default") if self.job else None
+
+    def to_dict(self) -> dict[str, Any]:
+        job = self.job or {}
+        return {"score": self.score, "jid": self.jid, "class": self.klass, "queue": self.queue,
+                "error_class": job.get("error_class"), "error_message": job.get("error_message"),
+                "retry_count": job.get("retry_count"),
+                "job": self.job if self.job is not None else _text(self.raw)}
+
+
+Filter = Callable[[Entry], bool]
+
+
+def matching(klass: str | None = None, queue: str | None = None,
+             jid: str | None = None) -> Filter:
+    """A filter on class (the `wrapped` name for ActiveJob, or `class`), queue and jid."""
+    def test(entry: Entry) -> bool:
+        if entry.job is None:
+            return klass is None and queue is None and jid is None
+        return ((klass is None or klass in (entry.klass, entry.job.get("class")))
+                and (queue is None or entry.queue == queue)
+                and (jid is None or entry.jid == jid))
+    return test
+
+
+class SortedSet:
+    """The `schedule`, `retry` or `dead` set, read in pages by rank (lowest score first)."""
+
+    def __init__(self, conn: redis.Redis, name: str, page_size: int = DEFAULT_PAGE) -> None:
+        if name not in (keys.SCHEDULE, keys.RETRY, keys.DEAD):
+            raise ValueError(f"unknown sorted set {name!r}: schedule, retry or dead")
+        if page_size < 1:
+            raise ValueError("page_size must be at least 1")
+        self.redis = conn
+        self.name = name
+        self.page_size = page_size
+
+    def size(self) -> int:
+        return int(self.redis.zcard(self.name))
+
+    def page(self, offset: int, count: int | None = None) -> list[Entry]:
+        """Entries at ranks offset .. offset+count-1."""
+        count = count or self.page_size
+        rows = self.redis.zrange(self.name, offset, offset + count - 1, withscores=True)
+        return [Entry.of(raw, score) for raw, score in rows]
+
+    def __iter__(self) -> Iterator[Entry]:
+        return self.entries()
+
+    def entries(self, where: Filter | None = None) -> Iterator[Entry]:
+        """Every entry (matching `where`) in score order, one page in memory at a time.
+        Entries added or removed while iterating may be missed or seen twice, as with
+        any paged read of a changing set."""
+        offset = 0
+        while True:
+            batch = self.page(offset)
+            for entry in batch:
+                if where is None or where(entry):
+                    yield entry
+            if len(batch) < self.page_size:
+                return
+            offset += len(batch)
+
+    def find(self, jid: str) -> Entry | None:
+        """The first entry with this jid: a paged scan that stops at the first hit (a jid
+        is not indexed; the member is the whole JSON)."""
+        needle = jid.encode()
+        for entry in self.entries():
+            if needle in entry.raw and entry.jid == jid:
+                return entry
+        return None
+
+    # -- changes --------------------------------------------------------------------
+
+    def apply(self, action: Callable[[list[Entry]], int], where: Filter | None = None) -> int:
+        """Run `action` on each page of matching entries; returns how many it changed.
+        Pages are re-read after each change: entries the action removed no longer take
+        ranks, so the next page starts at the ranks of the entries left behind."""
+        offset = done = 0
+        while True:
+            batch = self.page(offset)
+            if not batch:
+                return done
+            chosen = [e for e in batch if where is None or where(e)]
+            changed = action(chosen) if chosen else 0
+            done += changed
+            if len(batch) < self.page_size:
+                return done
+            offset += len(batch) - changed
+
+    def retry_now(self, entries: list[Entry]) -> int:
+        """Move entries onto their queues now, with `enqueued_at` set, through the same
+        ZREM-guarded script the scheduler uses: an entry another process moved or deleted
+        meanwhile is not pushed twice. As Sidekiq does, `retry_count` goes down by one, so
+        a retried job that fails again keeps the count it had. Unparseable entries stay."""
+        now = time.time()
+        argv: list[Any] = []
+        for entry in entries:
+            if entry.job is None:
+                continue
+            job = dict(entry.job)
+            name = job.get("queue", "default")
+            if type(name) is not str or not name or "\n" in name:
+                continue
+            if self.name != keys.SCHEDULE and type(job.get("retry_count")) is int \
+                    and job["retry_count"] > 0:
+                job["retry_count"] -= 1
+            job["enqueued_at"] = now
+            argv += [entry.raw, name, payload.dumps(job)]
+        if not argv:
+            return 0
+        return int(scripts.load(self.redis, "move_due")(keys=[self.name], args=argv))
+
+    def delete(self, entries: list[Entry]) -> int:
+        if not entries:
+            return 0
+        return int(self.redis.zrem(self.name, *[e.raw for e in entries]))
+
+    def kill(self, entries: list[Entry]) -> int:
+        """Move entries to `dead` with the worker's script (Sidekiq's trimming: 180 days,
+        10,000 entries). Entries already dead stay where they are."""
+        if self.name == keys.DEAD or not entries:
+            return 0
+        to_dead = scripts.load(self.redis, "to_dead")
+        now = time.time()
+        pipe = self.redis.pipeline(transaction=False)
+        for entry in entries:
+            to_dead(keys=[keys.DEAD, self.name],
+                    args=[entry.raw, now, entry.raw, "zset", now - keys.DEAD_TIMEOUT_S,
+                          keys.DEAD_MAX_JOBS], client=pipe)
+        return sum(int(n or 0) for n in pipe.execute())
+
+    def clear(self) -> int:
+        """Remove every entry; returns how many there were."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.zcard(self.name)
+        pipe.unlink(self.name)
+        return int(pipe.execute()[0])
+
+
+def schedule(conn: redis.Redis, page_size: int = DEFAULT_PAGE) -> SortedSet:
+    return SortedSet(conn, keys.SCHEDULE, page_size)
+
+
+def retries(conn: redis.Redis, page_size: int = DEFAULT_PAGE) -> SortedSet:
+    return SortedSet(conn, keys.RETRY, page_size)
+
+
+def dead(conn: redis.Redis, page_size: int = DEFAULT_PAGE) -> SortedSet:
+    return SortedSet(conn, keys.DEAD, page_size)
+
+
+# -- stats ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stats:
+    processed: int
+    failed: int
+    enqueued: int
+    scheduled: int
+    retries: int
+    dead: int
+    processes: int
+    # (UTC day "YYYY-MM-DD", processed, failed), today first
+    history: list[tuple[str, int, int]]
+
+
+def _days(count: int, today: datetime | None = None) -> list[str]:
+    today = today or datetime.now(timezone.utc)
+    return [(today - timedelta(days=i)).strftime("%Y-%m-%d") for i in range(count)]
+
+
+def stats(conn: redis.Redis, days: int = 7) -> Stats:
+    """Sidekiq's totals and the per-day counters of the last `days` UTC days, in two round
+    trips (queue lengths need the queue names first)."""
+    names = [_text(n) for n in conn.smembers(keys.QUEUES)]
+    day_names = _days(max(days, 0))
+    pipe = conn.pipeline(transaction=False)
+    pipe.mget(keys.STAT_PROCESSED, keys.STAT_FAILED)
+    for key in (keys.SCHEDULE, keys.RETRY, keys.DEAD):
+        pipe.zcard(key)
+    pipe.scard(keys.PROCESSES)
+    for name in names:
+        pipe.llen(keys.queue(name))
+    if day_names:
+        pipe.mget([keys.stat_day("processed", d) for d in day_names])
+        pipe.mget([keys.stat_day("failed", d) for d in day_names])
+    replies = pipe.execute()
+    (processed, failed), scheduled, retry, dead_, procs = replies[:5]
+    lengths = replies[5:5 + len(names)]
+    history: list[tuple[str, int, int]] = []
+    if day_names:
+        done, fails = replies[-2], replies[-1]
+        history = [(d, int(p or 0), int(f or 0)) for d, p, f in zip(day_names, done, fails)]
+    return Stats(int(processed or 0), int(failed or 0), sum(int(n) for n in lengths),
+                 int(scheduled), int(retry), int(dead_), int(procs), history)
