@@ -72,7 +72,53 @@ def build_parser() -> ArgumentParser:
         if action == "check":
             p.add_argument("--max-age", type=_positive_float("--max-age"), default=30.0,
                            help="oldest acceptable child heartbeat, seconds (default 30)")
+    add_admin_commands(sub)
     return parser
+
+
+def _positive_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a whole number, not {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be at least 1, not {value}")
+        return value
+    return parse
+
+
+# sorted set -> (its actions besides list, the verb for moving entries onto their queues)
+SET_ACTIONS = {"dead": ("retry", "delete"), "retry": ("retry-now", "delete", "kill"),
+               "schedule": ("run-now", "delete", "kill")}
+
+
+def add_admin_commands(sub: argparse._SubParsersAction) -> None:
+    """stats, queues, processes and the dead/retry/schedule sets: read-only views and
+    bulk actions on what is in Redis, for people (tables) and scripts (--json)."""
+    common = ArgumentParser(add_help=False)
+    common.add_argument("--redis-url", default=None, help="Redis URL [env FORKQ_REDIS_URL]")
+    common.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
+    p = sub.add_parser("stats", parents=[common], help="processed/failed totals, set sizes, daily history")
+    p.add_argument("--days", type=_positive_int("--days"), default=7, help="days of history (default 7)")
+    sub.add_parser("queues", parents=[common], help="each queue: size and latency")
+    sub.add_parser("processes", parents=[common], help="live processes grouped by master")
+    for name, actions in SET_ACTIONS.items():
+        p = sub.add_parser(name, help=f"list or act on the {name} set")
+        verbs = p.add_subparsers(dest="action", required=True, parser_class=ArgumentParser)
+        listing = verbs.add_parser("list", parents=[common], help=f"entries of the {name} set, oldest first")
+        listing.add_argument("--jid", help="only this job")
+        listing.add_argument("--class", dest="klass", metavar="NAME", help="only jobs of this class")
+        listing.add_argument("--queue", help="only jobs of this queue")
+        listing.add_argument("--limit", type=_positive_int("--limit"), default=100,
+                             help="show at most this many (default 100)")
+        for verb in actions:
+            a = verbs.add_parser(verb, parents=[common], help=f"{verb} the chosen entries")
+            pick = a.add_mutually_exclusive_group(required=True)
+            pick.add_argument("--jid", help="the entry with this jid")
+            pick.add_argument("--class", dest="klass", metavar="NAME", help="every entry of this class")
+            pick.add_argument("--queue", help="every entry of this queue")
+            pick.add_argument("--all", action="store_true", help="every entry")
 
 
 def module_name_for(path: Path) -> str | None:
@@ -137,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return start(settings)
     try:
+        if args.command in ADMIN_COMMANDS:
+            return admin(args)
         return ctl(args)
     except (ConfigError, ValueError) as exc:
         sys.stderr.write(f"forkq: {exc}\n")
@@ -261,3 +309,127 @@ def start(settings: Settings) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"forkq: {exc}\n")
         return 2
+
+
+# -- admin commands: stats, queues, processes, dead/retry/schedule ----------------------
+
+ADMIN_COMMANDS = ("stats", "queues", "processes", *SET_ACTIONS)
+
+
+def admin(args: argparse.Namespace) -> int:
+    """Run one admin command; a Redis failure is one line naming the (masked) URL."""
+    from . import api, client
+    url = client.redis_url(args.redis_url)
+    try:
+        conn = api.connect(url)
+        if args.command in SET_ACTIONS:
+            return _set_command(conn, args)
+        data, table = {"stats": _stats, "queues": _queues, "processes": _processes}[args.command](conn, args)
+    except redis_errors() as exc:
+        sys.stderr.write(f"forkq: cannot reach Redis at {client.mask_url(url)}: {exc}\n")
+        return 1
+    _emit(args, data, table)
+    return 0
+
+
+def _emit(args: argparse.Namespace, data: object, table: list[str]) -> None:
+    import json
+    print(json.dumps(data, indent=2, default=str) if args.json else "\n".join(table))
+
+
+def _table(header: list[str], rows: list[list[object]]) -> list[str]:
+    """Columns as wide as their widest cell; numbers right-aligned, text left-aligned."""
+    cells = [[str(c) for c in header]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    numeric = [all(isinstance(row[i], (int, float)) for row in rows) and rows for i in range(len(header))]
+    def line(row: list[str]) -> str:
+        return "  ".join(c.rjust(w) if num else c.ljust(w)
+                         for c, w, num in zip(row, widths, numeric)).rstrip()
+    return [line(r) for r in cells]
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.1f}s"
+
+
+def _stats(conn, args):
+    from dataclasses import asdict
+    from . import api
+    s = api.stats(conn, args.days)
+    data = asdict(s)
+    data["history"] = [{"day": d, "processed": p, "failed": f} for d, p, f in s.history]
+    table = _table(["processed", "failed", "enqueued", "scheduled", "retries", "dead", "processes"],
+                   [[s.processed, s.failed, s.enqueued, s.scheduled, s.retries, s.dead, s.processes]])
+    table += [""] + _table(["day (UTC)", "processed", "failed"], [list(h) for h in s.history])
+    return data, table
+
+
+def _queues(conn, args):
+    from dataclasses import asdict
+    from . import api
+    qs = api.queues(conn)
+    table = _table(["queue", "size", "latency"], [[q.name, q.size, _age(q.latency)] for q in qs])
+    return [asdict(q) for q in qs], table if qs else ["no queues"]
+
+
+def _processes(conn, args):
+    from dataclasses import asdict
+    from . import api
+    groups = api.processes(conn)
+    data = [{"master": g.master, "processes": [asdict(p) for p in g.processes]} for g in groups]
+    rows = []
+    for g in groups:
+        for p in g.processes:
+            rows.append([g.master or "(none)", p.slot, p.pid, f"{p.busy}/{p.concurrency or '?'}",
+                         f"{p.rss_kb / 1024:.1f}", _age(p.beat_age), "quiet" if p.quiet else "running",
+                         p.identity])
+    header = ["master", "slot", "pid", "busy", "rss MB", "heartbeat", "state", "identity"]
+    return data, _table(header, rows) if rows else ["no live processes"]
+
+
+def _set_command(conn, args: argparse.Namespace) -> int:
+    from . import api
+    zset = api.SortedSet(conn, args.command)
+    where = api.matching(klass=args.klass, queue=args.queue, jid=args.jid)
+    if args.action == "list":
+        import itertools
+        entries = list(itertools.islice(zset.entries(where), args.limit))
+        rows = [[_when(e.score), e.jid, e.klass, e.queue, _error(e)] for e in entries]
+        table = _table(["when (UTC)", "jid", "class", "queue", "error"], rows) if rows else [
+            f"no matching entries in {args.command}"]
+        _emit(args, [e.to_dict() for e in entries], table)
+        return 0
+    action = {"retry": zset.retry_now, "retry-now": zset.retry_now, "run-now": zset.retry_now,
+              "delete": zset.delete, "kill": zset.kill}[args.action]
+    if args.jid:
+        entry = zset.find(args.jid)
+        if entry is None:
+            sys.stderr.write(f"forkq: no entry with jid {args.jid} in {args.command}\n")
+            return 1
+        count = action([entry])
+    else:
+        count = zset.apply(action, None if args.all else where)
+    _emit(args, {"set": args.command, "action": args.action, "count": count},
+          [f"{args.action}: {count} entr{'y' if count == 1 else 'ies'} of {args.command}"])
+    return 0
+
+
+def _when(score: float) -> str:
+    from datetime import datetime, timezone
+    try:
+        return datetime.fromtimestamp(score, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, OSError, ValueError):
+        return str(score)
+
+
+def _error(entry) -> str:
+    job = entry.job or {}
+    if not job.get("error_class"):
+        return "" if entry.job is not None else "(unparseable entry)"
+    text = f"{job['error_class']}: {job.get('error_message', '')}"
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,118 @@
+"""`forkq stats|queues|processes|dead|retry|schedule`: real `python -m forkq` subprocesses
+against a real Redis; --json output must parse and agree with forkq.api."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import forkq
+from forkq import api
+from corekit import queued, workers  # noqa: F401  (a fixture)
+from test_api import fill, sk_job
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str, url: str | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    if url is not None:
+        env["FORKQ_REDIS_URL"] = url
+    return subprocess.run([sys.executable, "-m", "forkq", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def ok_json(*args: str) -> object:
+    out = run(*args, "--json")
+    assert out.returncode == 0, (args, out.stdout, out.stderr)
+    return json.loads(out.stdout)
+
+
+@pytest.mark.timeout(30)
+def test_stats_and_queues_json_match_the_api_and_tables_print(r, redis_url):
+    c = forkq.Client(redis_url)
+    c.push("A", [1], queue="alpha")
+    c.push("A", [2], queue="alpha")
+    c.push("B", [], queue="beta")
+    r.set("stat:processed", 12)
+    fill(r, "dead", [sk_job(i) for i in range(3)])
+    stats = ok_json("stats", "--days", "2")
+    s = api.stats(api.connect(), 2)
+    assert (stats["processed"], stats["enqueued"], stats["dead"]) == (12, 3, 3) == (s.processed, s.enqueued, s.dead)
+    assert [h["day"] for h in stats["history"]] == [d for d, _, _ in s.history]
+    qs = ok_json("queues")
+    assert [(q["name"], q["size"]) for q in qs] == [(q.name, q.size) for q in api.queues(api.connect())]
+    table = run("queues")
+    assert table.returncode == 0
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["queue", "size", "latency"]
+    assert lines[1].split()[:2] == ["alpha", "2"] and lines[2].split()[:2] == ["beta", "1"]
+    assert "processed" in run("stats").stdout
+
+
+@pytest.mark.timeout(30)
+def test_dead_list_filters_and_actions(r, redis_url):
+    fill(r, "dead", [sk_job(i, klass="A" if i % 2 else "B", queue="q1" if i < 6 else "q2") for i in range(10)])
+    listed = ok_json("dead", "list", "--class", "A", "--limit", "3")
+    assert [e["job"]["args"] for e in listed] == [[1], [3], [5]]
+    assert listed == [e.to_dict() for e in list(api.dead(api.connect()).entries(api.matching(klass="A")))[:3]]
+    assert [e["jid"] for e in ok_json("dead", "list", "--jid", "%024x" % 5)] == ["%024x" % 5]
+    table = run("dead", "list")
+    assert table.returncode == 0 and table.stdout.splitlines()[0].split()[:3] == ["when", "(UTC)", "jid"]
+    assert "RuntimeError: boom 0" in table.stdout
+    assert ok_json("dead", "retry", "--jid", "%024x" % 1) == {"set": "dead", "action": "retry", "count": 1}
+    assert queued(r, "q1")[0]["jid"] == "%024x" % 1
+    assert ok_json("dead", "delete", "--queue", "q2")["count"] == 4
+    assert ok_json("dead", "delete", "--all")["count"] == 5
+    assert r.zcard("dead") == 0
+    missing = run("dead", "retry", "--jid", "f" * 24)
+    assert missing.returncode == 1 and "no entry with jid" in missing.stderr
+
+
+@pytest.mark.timeout(30)
+def test_retry_set_retry_now_and_kill(r, redis_url):
+    fill(r, "retry", [sk_job(i, klass="K" if i < 4 else "L") for i in range(6)])
+    assert ok_json("retry", "kill", "--class", "K")["count"] == 4
+    assert r.zcard("dead") == 4
+    assert ok_json("retry", "retry-now", "--all")["count"] == 2
+    assert len(queued(r)) == 2 and r.zcard("retry") == 0
+    assert "retry-now: 0 entries of retry" in run("retry", "retry-now", "--all").stdout
+
+
+@pytest.mark.timeout(40)
+def test_dead_retry_all_on_1000_entries_works_in_pages(r, redis_url):
+    fill(r, "dead", [sk_job(i) for i in range(1000)])
+    assert ok_json("dead", "retry", "--all")["count"] == 1000
+    assert r.zcard("dead") == 0
+    jobs = queued(r)
+    assert len(jobs) == 1000 and sorted(j["args"][0] for j in jobs) == list(range(1000))
+    assert len({j["jid"] for j in jobs}) == 1000
+
+
+@pytest.mark.timeout(30)
+def test_processes_table_and_json(r, redis_url, workers):
+    w = workers()
+    groups = ok_json("processes")
+    assert len(groups) == 1 and groups[0]["master"] is None
+    (proc,) = groups[0]["processes"]
+    assert proc["identity"] == w.identity and proc["pid"] == w.proc.pid
+    out = run("processes")
+    assert out.returncode == 0 and w.identity in out.stdout and "heartbeat" in out.stdout.splitlines()[0]
+
+
+@pytest.mark.timeout(30)
+def test_bad_arguments_and_unreachable_redis_are_one_line(r, redis_url):
+    for args in (["dead", "retry"], ["dead", "retry", "--all", "--class", "A"], ["stats", "--days", "x"],
+                 ["retry", "list", "--limit", "0"], ["dead", "frobnicate"]):
+        out = run(*args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    out = run("queues", "--redis-url", "redis://user:hunter2@127.0.0.1:1/0")
+    assert out.returncode == 1 and out.stderr.count("\n") == 1
+    assert "hunter2" not in out.stderr and "***" in out.stderr
