@@ -409,13 +409,46 @@ class SidekiqRuby:
         return SidekiqServer(self, url, queues, concurrency, log_path)
 
 
-class SidekiqServer:
+class _LoggedProcess:
+    """A subprocess that logs to `log_path`: stop with SIGTERM (escalating), tail its log.
+    Subclasses set `label` and `stop_timeout`, and provide `start()` and `proc`."""
+
+    label = "process"
+    stop_timeout = 30.0
+
+    def stop(self, timeout=None):
+        """SIGTERM and wait; returns the exit status (0 on a clean stop)."""
+        timeout = self.stop_timeout if timeout is None else timeout
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        os.kill(self.proc.pid, signal.SIGTERM)
+        code = _wait_exit(self.proc, timeout)
+        if code is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise AssertionError(f"{self.label} ignored SIGTERM for {timeout:g}s:\n{self.log_tail()}")
+        return code
+
+    def log_tail(self, lines=40):
+        return _tail(self.log_path, lines)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb):
+        _stop_and_tidy(self, exc_type)
+
+
+class SidekiqServer(_LoggedProcess):
     """A real `sidekiq` 6.4.1 server process.
 
     Stopping it: SIGTERM (or SIGINT) makes Sidekiq stop fetching, give running
     jobs up to `-t` seconds (we pass 5), push unfinished ones back onto their
     queues, and exit 0. SIGTSTP only quiets it (stops fetching, keeps running).
     """
+
+    label = "sidekiq"
+    stop_timeout = 20.0
 
     def __init__(self, sidekiq, url, queues, concurrency, log_path=None):
         self.sidekiq = sidekiq
@@ -461,26 +494,6 @@ class SidekiqServer:
             client.close()
         return self
 
-    def stop(self, timeout=20.0):
-        """SIGTERM and wait; returns the exit status (0 on a clean stop)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        os.kill(self.proc.pid, signal.SIGTERM)
-        code = _wait_exit(self.proc, timeout)
-        if code is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-            raise AssertionError(f"sidekiq ignored SIGTERM for {timeout:g}s:\n{self.log_tail()}")
-        return code
-
-    def log_tail(self, lines=40):
-        return _tail(self.log_path, lines)
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, exc_type, exc, tb):
-        _stop_and_tidy(self, exc_type)
 
 
 # ---------------------------------------------------------------------------
@@ -488,8 +501,11 @@ class SidekiqServer:
 # ---------------------------------------------------------------------------
 
 
-class ForkqWorker:
+class ForkqWorker(_LoggedProcess):
     """`python -m forkq start --no-fork ...` as a subprocess; SIGTERM stops it."""
+
+    label = "forkq worker"
+    stop_timeout = 30.0
 
     def __init__(self, url, require, queues=("default",), concurrency=2, extra_args=(),
                  log_path=None):
@@ -529,23 +545,3 @@ class ForkqWorker:
                 f"forkq worker exited with {self.proc.returncode}:\n{self.log_tail()}"
             )
 
-    def stop(self, timeout=30.0):
-        """SIGTERM and wait; returns the exit status."""
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        os.kill(self.proc.pid, signal.SIGTERM)
-        code = _wait_exit(self.proc, timeout)
-        if code is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-            raise AssertionError(f"forkq worker ignored SIGTERM for {timeout:g}s:\n{self.log_tail()}")
-        return code
-
-    def log_tail(self, lines=40):
-        return _tail(self.log_path, lines)
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, exc_type, exc, tb):
-        _stop_and_tidy(self, exc_type)
