@@ -1,0 +1,219 @@
+"""The dashboard as a WSGI application: routing, the auth and CSRF gates every request
+passes, templates (Jinja2, autoescaping everything: job args and error messages in Redis
+are hostile input), static files, and the headers on every answer."""
+
+from __future__ import annotations
+
+import base64
+import mimetypes
+import os
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import redis
+
+from .. import api, client
+from . import security, views
+from .http import BadRequest, Request, Response
+
+HERE = Path(__file__).resolve().parent
+STATIC = HERE / "static"
+FLASH_COOKIE = "forkq_flash"
+
+StartResponse = Callable[..., Any]
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = abs(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.1f}s"
+
+
+def _when(stamp: Any, now: float) -> str:
+    """A Sidekiq stamp (seconds, or Sidekiq 8 milliseconds) as "3.0m ago" / "in 2.0h"."""
+    from ..payload import seconds
+    value = seconds(stamp) if not isinstance(stamp, float) else stamp
+    if value is None:
+        return "-"
+    return f"in {_age(value - now)}" if value > now else f"{_age(now - value)} ago"
+
+
+def _utc(stamp: Any) -> str:
+    import time
+    from ..payload import seconds
+    value = seconds(stamp) if not isinstance(stamp, float) else stamp
+    if value is None:
+        return ""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(value))
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    import json
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+class Dashboard:
+    """A WSGI callable. Thread-safe: one redis-py connection pool shared by the server's
+    threads, made on first use in each process (never inherited across a fork)."""
+
+    def __init__(self, redis_url: str | None = None, *, password: str | None = None,
+                 token: str | None = None, secret: str | None = None, page_size: int = 25,
+                 connection: redis.Redis | None = None) -> None:
+        self.redis_url = client.redis_url(redis_url)
+        client.connect(self.redis_url)  # a bad URL fails here, at startup, not per request
+        self.guard = security.Guard(password, token, secret)
+        self.page_size = page_size
+        self._given = connection
+        self._conn: tuple[int, redis.Redis] | None = None
+        self._lock = threading.Lock()
+        self._static = {p.name: p for p in STATIC.iterdir() if p.is_file()}
+        self.env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
+                                      autoescape=True, undefined=jinja2.StrictUndefined,
+                                      trim_blocks=True, lstrip_blocks=True)
+        self.env.filters.update(age=_age, short=_short, utc=_utc, job_json=views.job_json)
+        self.env.globals.update(when=_when)
+        self.routes: dict[tuple[str, str], Callable[[Request], Response]] = {
+            ("GET", "/"): lambda r: views.overview(self, r),
+            ("GET", "/stats.json"): lambda r: views.stats_json(self, r),
+            ("GET", "/processes"): lambda r: views.processes(self, r),
+            ("POST", "/processes/signal"): lambda r: views.signal(self, r),
+            ("GET", "/busy"): lambda r: views.busy(self, r),
+            ("GET", "/search"): lambda r: views.search(self, r),
+            ("GET", "/login"): self.login_page,
+            ("POST", "/login"): self.login,
+            ("POST", "/logout"): self.logout,
+        }
+        for slug in views.SETS:
+            self.routes[("GET", f"/{slug}")] = lambda r, s=slug: views.set_page(self, r, s)
+            self.routes[("POST", f"/{slug}/action")] = lambda r, s=slug: views.set_action(self, r, s)
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def redis(self) -> redis.Redis:
+        if self._given is not None:
+            return self._given
+        with self._lock:
+            if self._conn is None or self._conn[0] != os.getpid():
+                self._conn = (os.getpid(), api.connect(self.redis_url))
+            return self._conn[1]
+
+    def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        req = Request(environ)
+        try:
+            resp = self.handle(req)
+        except BadRequest as exc:
+            resp = Response.text(f"bad request: {exc}\n", "400 Bad Request")
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            resp = self.render(req, "error.html", status="503 Service Unavailable",
+                               message=f"cannot reach Redis at {client.mask_url(self.redis_url)}: {exc}")
+        headers = list(security.BASE_HEADERS) + [("Content-Type", resp.content_type),
+                                                  ("Cache-Control", resp.cache)]
+        headers += resp.headers + getattr(req, "set_cookies", [])
+        headers.append(("Content-Length", str(len(resp.body))))
+        start_response(resp.status, headers)
+        return [resp.body if req.method != "HEAD" else b""]
+
+    def handle(self, req: Request) -> Response:
+        if req.path.startswith("/static/") and req.method in ("GET", "HEAD"):
+            return self.static(req.path[len("/static/"):])
+        method = "GET" if req.method == "HEAD" else req.method
+        route = self.routes.get((method, req.path.rstrip("/") or "/"))
+        if route is None:
+            if any(p == (req.path.rstrip("/") or "/") for _, p in self.routes):
+                return Response.text("method not allowed\n", "405 Method Not Allowed")
+            return self.render(req, "error.html", status="404 Not Found", message="no such page")
+        public = req.path in ("/login",)
+        if not public and not self.guard.authenticated(req.environ):
+            return self.unauthorized(req)
+        if method == "POST" and not self.guard.csrf_ok(req.environ, req.field("csrf")):
+            # nothing has been read from Redis or changed yet
+            return self.render(req, "error.html", status="403 Forbidden",
+                               message="this form is stale or came from another site: "
+                                       "reload the page and try again")
+        return route(req)
+
+    def unauthorized(self, req: Request) -> Response:
+        if self.guard.token and req.method == "GET" and not req.path.endswith(".json"):
+            return Response.redirect(req.url("/login"))
+        resp = Response.text("authentication required\n", "401 Unauthorized")
+        resp.headers += self.guard.challenge()
+        return resp
+
+    def static(self, name: str) -> Response:
+        path = self._static.get(name)  # only files that were there at startup: no traversal
+        if path is None:
+            return Response.text("not found\n", "404 Not Found")
+        kind = mimetypes.guess_type(name)[0] or "application/octet-stream"
+        if kind.startswith("text/") or kind.endswith("javascript"):
+            kind += "; charset=utf-8"
+        return Response(path.read_bytes(), content_type=kind, cache="public, max-age=300")
+
+    def csrf_token(self, req: Request) -> str:
+        """The request's CSRF cookie if it is one of ours, else a new one (set on the way out)."""
+        if not hasattr(req, "csrf"):
+            current = security.cookies(req.environ).get(security.CSRF_COOKIE)
+            if not security.valid_csrf(self.guard.key, current):
+                current = security.new_csrf(self.guard.key)
+                self._set_cookie(req, security.CSRF_COOKIE, current)
+            req.csrf = current  # type: ignore[attr-defined]
+        return req.csrf  # type: ignore[attr-defined]
+
+    def _set_cookie(self, req: Request, name: str, value: str, max_age: int | None = None) -> None:
+        cookies = getattr(req, "set_cookies", [])
+        cookies.append(security.cookie_header(name, value, req.root + "/", max_age))
+        req.set_cookies = cookies  # type: ignore[attr-defined]
+
+    def flash(self, req: Request, message: str) -> None:
+        """A one-line result shown on the next page (carried in a cookie, so a crafted URL
+        cannot put words on the page)."""
+        value = base64.urlsafe_b64encode(message.encode()).decode()
+        self._set_cookie(req, FLASH_COOKIE, value, max_age=60)
+
+    def _take_flash(self, req: Request) -> str | None:
+        value = security.cookies(req.environ).get(FLASH_COOKIE)
+        if not value:
+            return None
+        self._set_cookie(req, FLASH_COOKIE, "", max_age=0)
+        try:
+            return base64.urlsafe_b64decode(value.encode()).decode("utf-8")[:200]
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+    def back(self, req: Request, default: str) -> str:
+        """Where a form returns to: a path inside the app (never another site)."""
+        target = req.field("back")
+        if not target.startswith("/") or target.startswith("//") or "\\" in target:
+            target = default
+        return req.url(target)
+
+    def render(self, req: Request, template: str, status: str = "200 OK", **context: Any) -> Response:
+        context.update(status=status, root=req.root, csrf=self.csrf_token(req), path=req.path,
+                       here=req.path + ("?" + req.environ["QUERY_STRING"]
+                                        if req.environ.get("QUERY_STRING") else ""),
+                       flash=self._take_flash(req), login=not self.guard.open and self.guard.token,
+                       redis_url=client.mask_url(self.redis_url))
+        return Response.html(self.env.get_template(template).render(**context), status)
+
+    # -- login (token auth in a browser) -------------------------------------------------
+
+    def login_page(self, req: Request) -> Response:
+        return self.render(req, "login.html", failed=False)
+
+    def login(self, req: Request) -> Response:
+        if self.guard.token and security.same(req.field("token"), self.guard.token):
+            self._set_cookie(req, security.SESSION_COOKIE, security.session_value(self.guard.key),
+                             max_age=12 * 3600)
+            return Response.redirect(req.url("/"))
+        return self.render(req, "login.html", status="401 Unauthorized", failed=True)
+
+    def logout(self, req: Request) -> Response:
+        self._set_cookie(req, security.SESSION_COOKIE, "", max_age=0)
+        return Response.redirect(req.url("/login" if self.guard.token else "/"))

@@ -1,0 +1,93 @@
+"""`forkq web`: serve the dashboard with waitress (a multi-threaded, production-grade pure
+Python WSGI server), after refusing to expose an unauthenticated dashboard to a network."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..errors import ConfigError
+from .security import is_loopback
+
+DEFAULT_PORT = 7433
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--port must be a whole number, not {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"--port must be between 1 and 65535, not {value}")
+    return value
+
+
+def _threads(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--threads must be a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--threads must be at least 1, not {value}")
+    return value
+
+
+def add_web_command(sub: argparse._SubParsersAction) -> None:
+    """Register `forkq web`; it runs through the parser's `handler` default."""
+    p = sub.add_parser("web", help="serve the web dashboard (127.0.0.1:7433 by default)")
+    p.add_argument("--bind", default="127.0.0.1", metavar="HOST",
+                   help="address to listen on (default 127.0.0.1); any non-loopback address "
+                        "needs --password or --token")
+    p.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
+    p.add_argument("--password", default=None,
+                   help="require HTTP Basic auth with this password [env FORKQ_WEB_PASSWORD]")
+    p.add_argument("--token", default=None,
+                   help="require this bearer token (or a login with it) [env FORKQ_WEB_TOKEN]")
+    p.add_argument("--redis-url", default=None, help="Redis URL [env FORKQ_REDIS_URL]")
+    p.add_argument("--url-prefix", default="", metavar="PATH",
+                   help="serve under this path, e.g. /forkq behind a reverse proxy")
+    p.add_argument("--threads", type=_threads, default=4, help="request threads (default 4)")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    password = args.password or os.environ.get("FORKQ_WEB_PASSWORD") or None
+    token = args.token or os.environ.get("FORKQ_WEB_TOKEN") or None
+    if not is_loopback(args.bind) and not (password or token):
+        sys.stderr.write(f"forkq: refusing to serve the dashboard on {args.bind} without "
+                         "--password or --token (or FORKQ_WEB_PASSWORD / FORKQ_WEB_TOKEN): "
+                         "anyone who can reach it could delete jobs\n")
+        return 2
+    prefix = args.url_prefix.rstrip("/")
+    if prefix and not prefix.startswith("/"):
+        sys.stderr.write(f"forkq: --url-prefix must start with '/', not {args.url_prefix!r}\n")
+        return 2
+    from .. import client
+    try:
+        import waitress
+        from .app import Dashboard
+    except ImportError as exc:
+        sys.stderr.write(f"forkq: forkq web needs {exc.name}: pip install 'forkq[web]'\n")
+        return 1
+    try:
+        app = Dashboard(args.redis_url, password=password, token=token,
+                        secret=os.environ.get("FORKQ_WEB_SECRET"))
+    except (ConfigError, ValueError) as exc:  # a malformed Redis URL
+        sys.stderr.write(f"forkq: {exc}\n")
+        return 2
+    host = f"[{args.bind}]" if ":" in args.bind else args.bind
+    print(f"forkq web: http://{host}:{args.port}{prefix}/ (Redis {client.mask_url(app.redis_url)}"
+          f"{', password' if password else ''}{', token' if token else ''})", flush=True)
+    import signal
+    # TERM (systemd, docker, a test) is a normal way to stop: exit 0 like Ctrl-C
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        waitress.serve(app, host=args.bind, port=args.port, threads=args.threads,
+                       url_prefix=prefix, ident="forkq", _quiet=True)
+    except OSError as exc:
+        sys.stderr.write(f"forkq: cannot listen on {host}:{args.port}: {exc.strerror or exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0

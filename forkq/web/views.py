@@ -1,0 +1,164 @@
+"""The dashboard's pages and actions. Each reads or changes Redis only through forkq.api
+and forkq.control, so the dashboard shows and does exactly what `forkq stats`,
+`forkq dead ...` and `forkq ctl` do."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+from .. import api, control, keys
+from .http import BadRequest, Request, Response
+
+if TYPE_CHECKING:
+    from .app import Dashboard
+
+# URL slug -> (sorted set, title, whether the newest entries come first)
+SETS = {"retries": (keys.RETRY, "Retries", False),
+        "scheduled": (keys.SCHEDULE, "Scheduled", False),
+        "dead": (keys.DEAD, "Dead", True)}
+# what the buttons of each set may do (dead jobs cannot be killed again)
+SET_ACTIONS = {"retries": ("retry", "delete", "kill"), "scheduled": ("retry", "delete", "kill"),
+               "dead": ("retry", "delete")}
+SEARCH_LIMIT = 50  # per set: a search scans pages until it has this many hits
+
+
+def overview(dash: "Dashboard", req: Request) -> Response:
+    conn = dash.redis()
+    busy = sum(p.busy for g in api.processes(conn) for p in g.processes)
+    return dash.render(req, "overview.html", stats=api.stats(conn, days=7),
+                       queues=api.queues(conn), busy=busy)
+
+
+def stats_json(dash: "Dashboard", req: Request) -> Response:
+    """What the overview's chart polls: cumulative counters stamped with Redis-independent
+    wall time; the page turns successive samples into per-second rates."""
+    conn = dash.redis()
+    s = api.stats(conn, days=0)
+    busy = sum(p.busy for g in api.processes(conn) for p in g.processes)
+    return Response.json({"time": time.time(), "processed": s.processed, "failed": s.failed,
+                          "enqueued": s.enqueued, "scheduled": s.scheduled,
+                          "retries": s.retries, "dead": s.dead, "processes": s.processes,
+                          "busy": busy})
+
+
+def processes(dash: "Dashboard", req: Request) -> Response:
+    return dash.render(req, "processes.html", groups=api.processes(dash.redis()))
+
+
+def signal(dash: "Dashboard", req: Request) -> Response:
+    """Quiet or stop one process, or every child of one master, through their `-signals`
+    lists (the master has no list of its own: each child reads its own)."""
+    verb, _, rest = req.field("do").partition("|")
+    kind, _, target = rest.partition("|")
+    signame = {"quiet": "TSTP", "stop": "TERM"}.get(verb)
+    if signame is None or kind not in ("identity", "master") or not target:
+        raise BadRequest("expected do=quiet|stop + |identity|ID or |master|ID")
+    conn = dash.redis()
+    if kind == "identity":
+        idents = [target]
+    else:
+        idents = [p.identity for g in api.processes(conn) if g.master == target for p in g.processes]
+    sent = [i for ident in idents for i in control.remote_signal(conn, signame, identity=ident)]
+    dash.flash(req, f"{verb}: signalled {len(sent)} process{'es' if len(sent) != 1 else ''}")
+    return Response.redirect(req.url("/processes"))
+
+
+def busy(dash: "Dashboard", req: Request) -> Response:
+    return dash.render(req, "busy.html", jobs=api.running(dash.redis()), now=time.time())
+
+
+def entry_key(entry: api.Entry) -> str:
+    """Names one member for a button: its exact score (found by ZRANGEBYSCORE, no scan) and
+    a digest of its bytes (the member itself may be huge, and jids may repeat)."""
+    return f"{entry.score!r}~{hashlib.sha1(entry.raw).hexdigest()[:20]}"
+
+
+def _lookup(zset: api.SortedSet, key: str) -> api.Entry | None:
+    score_text, _, digest = key.partition("~")
+    try:
+        score = float(score_text)
+    except ValueError:
+        return None
+    if not math.isfinite(score) or not digest:
+        return None
+    for raw, s in zset.redis.zrangebyscore(zset.name, score, score, withscores=True):
+        if hashlib.sha1(raw).hexdigest()[:20] == digest:
+            return api.Entry.of(raw, s)
+    return None
+
+
+def set_page(dash: "Dashboard", req: Request, slug: str) -> Response:
+    name, title, newest_first = SETS[slug]
+    zset = api.SortedSet(dash.redis(), name, page_size=dash.page_size)
+    total = zset.size()
+    pages = max(1, math.ceil(total / dash.page_size))
+    page = min(req.int_arg("page"), pages)
+    if newest_first:
+        # ranks are lowest score first: page 1 is the highest ranks, reversed
+        end = total - (page - 1) * dash.page_size
+        start = max(0, end - dash.page_size)
+        entries = list(reversed(zset.page(start, end - start))) if end > 0 else []
+    else:
+        entries = zset.page((page - 1) * dash.page_size)
+    return dash.render(req, "set.html", slug=slug, title=title, entries=entries, total=total,
+                       page=page, pages=pages, actions=SET_ACTIONS[slug], now=time.time(),
+                       key=entry_key)
+
+
+def set_action(dash: "Dashboard", req: Request, slug: str) -> Response:
+    """Per-entry buttons post do=ACTION|KEY; bulk buttons post bulk=ACTION with the checked
+    keys, or bulk=ACTION-all for the whole set."""
+    name, _, _ = SETS[slug]
+    zset = api.SortedSet(dash.redis(), name)
+    allowed = SET_ACTIONS[slug]
+    if req.field("do"):
+        action, _, key = req.field("do").partition("|")
+        keys_ = [key]
+    else:
+        action, keys_ = req.field("bulk"), req.form.get("key", [])
+    whole = action.endswith("-all")
+    action = action.removesuffix("-all")
+    if action not in allowed:
+        raise BadRequest(f"unknown action {action!r} for {slug}")
+    method = {"retry": zset.retry_now, "delete": zset.delete, "kill": zset.kill}[action]
+    if whole:
+        done = zset.clear() if action == "delete" else zset.apply(method)
+    else:
+        chosen = [e for e in (_lookup(zset, k) for k in keys_[:10_000]) if e is not None]
+        done = method(chosen) if chosen else 0
+    dash.flash(req, f"{action}: {done} job{'s' if done != 1 else ''}")
+    return Response.redirect(dash.back(req, f"/{slug}"))
+
+
+def search(dash: "Dashboard", req: Request) -> Response:
+    """Entries of the three sets, and running jobs, whose jid or class is the query. A jid
+    is not indexed, so this is a paged scan that stops at SEARCH_LIMIT hits per set."""
+    q = req.arg("q").strip()
+    results: list[tuple[str, str, list[api.Entry]]] = []
+    running: list[api.RunningJob] = []
+    if q:
+        conn = dash.redis()
+        needle = q.encode()
+        def hit(entry: api.Entry) -> bool:
+            if needle not in entry.raw:  # cheap bytes test before looking at the job
+                return False
+            return entry.jid == q or entry.klass == q or (entry.job or {}).get("class") == q
+        for slug, (name, title, _) in SETS.items():
+            zset = api.SortedSet(conn, name)
+            found = list(itertools.islice(zset.entries(hit), SEARCH_LIMIT))
+            results.append((slug, title, found))
+        running = [j for j in api.running(conn) if j.job and (
+            j.job.get("jid") == q or j.job.get("class") == q or j.job.get("wrapped") == q)]
+    return dash.render(req, "search.html", q=q, results=results, running=running,
+                       actions=SET_ACTIONS, key=entry_key, now=time.time(), limit=SEARCH_LIMIT)
+
+
+def job_json(job: dict[str, Any] | None, raw: bytes = b"") -> str:
+    if job is None:
+        return raw.decode("utf-8", "replace")
+    return json.dumps(job, indent=2, sort_keys=True, ensure_ascii=False, default=str)
