@@ -103,6 +103,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--days", type=_positive_int("--days"), default=7, help="days of history (default 7)")
     sub.add_parser("queues", parents=[common], help="each queue: size and latency")
     sub.add_parser("processes", parents=[common], help="live processes grouped by master")
+    sub.add_parser("busy", parents=[common], help="the jobs running now, longest-running first")
     for name, actions in SET_ACTIONS.items():
         p = sub.add_parser(name, help=f"list or act on the {name} set")
         verbs = p.add_subparsers(dest="action", required=True, parser_class=ArgumentParser)
@@ -313,7 +314,7 @@ def start(settings: Settings) -> int:
 
 # -- admin commands: stats, queues, processes, dead/retry/schedule ----------------------
 
-ADMIN_COMMANDS = ("stats", "queues", "processes", *SET_ACTIONS)
+ADMIN_COMMANDS = ("stats", "queues", "processes", "busy", *SET_ACTIONS)
 
 
 def admin(args: argparse.Namespace) -> int:
@@ -324,7 +325,8 @@ def admin(args: argparse.Namespace) -> int:
         conn = api.connect(url)
         if args.command in SET_ACTIONS:
             return _set_command(conn, args)
-        data, table = {"stats": _stats, "queues": _queues, "processes": _processes}[args.command](conn, args)
+        data, table = {"stats": _stats, "queues": _queues, "processes": _processes,
+                       "busy": _busy}[args.command](conn, args)
     except redis_errors() as exc:
         sys.stderr.write(f"forkq: cannot reach Redis at {client.mask_url(url)}: {exc}\n")
         return 1
@@ -390,6 +392,26 @@ def _processes(conn, args):
                          p.identity])
     header = ["master", "slot", "pid", "busy", "rss MB", "heartbeat", "state", "identity"]
     return data, _table(header, rows) if rows else ["no live processes"]
+
+
+def _busy(conn, args):
+    import json
+    import time
+    from . import api, payload
+    now = time.time()
+    jobs = sorted(api.running(conn), key=lambda j: j.run_at or now)
+    data, rows = [], []
+    for j in jobs:
+        job = j.job or {}
+        took = now - j.run_at if j.run_at else None
+        name = payload.display_name(job) if job else None
+        data.append({"identity": j.identity, "thread": j.thread, "queue": j.queue, "jid": job.get("jid"),
+                     "class": name, "args": job.get("args"), "run_at": j.run_at, "running_for": took})
+        args_text = json.dumps(job.get("args"), default=str) if job else "(unreadable)"
+        rows.append([j.identity, j.queue, job.get("jid"), name, _age(took),
+                     args_text if len(args_text) <= 40 else args_text[:37] + "..."])
+    header = ["process", "queue", "jid", "class", "running", "args"]
+    return data, _table(header, rows) if rows else ["no jobs running"]
 
 
 def _set_command(conn, args: argparse.Namespace) -> int:

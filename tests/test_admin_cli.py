@@ -14,6 +14,7 @@ import pytest
 import forkq
 from forkq import api
 from corekit import queued, workers  # noqa: F401  (a fixture)
+from helpers import wait_until
 from test_api import fill, sk_job
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -116,3 +117,20 @@ def test_bad_arguments_and_unreachable_redis_are_one_line(r, redis_url):
     out = run("queues", "--redis-url", "redis://user:hunter2@127.0.0.1:1/0")
     assert out.returncode == 1 and out.stderr.count("\n") == 1
     assert "hunter2" not in out.stderr and "***" in out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_busy_lists_running_jobs_longest_first(r, redis_url, workers):
+    from corekit import core_jobs
+    w = workers()
+    first = core_jobs.sleepy.enqueue(20, "first")
+    wait_until(lambda: len(api.running(r)) == 1, timeout=10, message="the first job running")
+    second = core_jobs.sleepy.enqueue(20, "second")
+    wait_until(lambda: len(api.running(r)) == 2, timeout=10, message="both jobs running")
+    busy = ok_json("busy")
+    assert [b["jid"] for b in busy] == [first, second]
+    assert busy[0]["identity"] == w.identity and busy[0]["args"] == [20, "first"]
+    assert busy[0]["running_for"] >= busy[1]["running_for"] >= 0
+    table = run("busy").stdout.splitlines()
+    assert table[0].split() == ["process", "queue", "jid", "class", "running", "args"]
+    assert first in table[1] and second in table[2]
