@@ -392,11 +392,13 @@ class SidekiqRuby:
             raise AssertionError(f"push.rb {argv} failed ({out.returncode}):\n{out.stderr}")
         return out.stdout.split()
 
-    def push(self, url, cls, args, queue="default", at=None):
+    def push(self, url, cls, args, queue="default", at=None, retry=None):
         """Sidekiq::Client.push from Ruby; returns the jid."""
         argv = [cls, queue, json.dumps(args)]
         if at is not None:
             argv += ["--at", repr(float(at))]
+        if retry is not None:
+            argv += ["--retry", str(int(retry))]
         (jid,) = self._run_push(url, argv)
         return jid
 

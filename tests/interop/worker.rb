@@ -38,3 +38,22 @@ class FailingJob
     raise ArgumentError, "FailingJob always fails (args: #{args.inspect})"
   end
 end
+
+# Sleeps ARGS[0] seconds: something for the inspection API to see running.
+class SlowJob
+  include Sidekiq::Worker
+
+  def perform(seconds)
+    sleep(seconds)
+  end
+end
+
+# Always fails. Pushed with retry 0 (push.rb --retry 0), a failure goes straight to the
+# dead set, written by Sidekiq itself: the payload's option counts, not the class's.
+class DoomedJob
+  include Sidekiq::Worker
+
+  def perform(*args)
+    raise RuntimeError, "DoomedJob gives up at once (args: #{args.inspect})"
+  end
+end
