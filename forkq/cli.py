@@ -73,6 +73,8 @@ def build_parser() -> ArgumentParser:
             p.add_argument("--max-age", type=_positive_float("--max-age"), default=30.0,
                            help="oldest acceptable child heartbeat, seconds (default 30)")
     add_admin_commands(sub)
+    from .web.command import add_web_command
+    add_web_command(sub)
     return parser
 
 
@@ -173,6 +175,8 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, dict[str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "handler", None):  # subcommands that run themselves (forkq web)
+        return args.handler(args)
     if args.command == "start":
         try:
             settings, sources = settings_from(args)
