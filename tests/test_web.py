@@ -1,0 +1,385 @@
+"""`forkq web` over real HTTP: a real `forkq web` subprocess on a free port, against the
+real Redis fixture, with data pushed by forkq (and by Ruby Sidekiq where installed).
+
+What it checks: the pages show what is in Redis, paging and search work, state changes need
+a POST with a CSRF token (and nothing changes without one), quiet/stop land on `-signals`,
+auth and the bind rule hold, hostile payload text comes back escaped, and a prefix
+(SCRIPT_NAME) shows up in every link.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from urllib.parse import quote
+
+import pytest
+
+import forkq
+from helpers import wait_until
+from test_ctl import start_master  # noqa: F401  (a fixture)
+from webkit import Client, WebServer, run_forkq
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.fixture(scope="module")
+def web(redis_server):
+    """One open (no auth) dashboard for the module; tests flush Redis through redis_url."""
+    with WebServer(redis_server.url) as server:
+        yield server
+
+
+@pytest.fixture
+def browser(web, redis_url):
+    return Client(web.base)
+
+
+def dead_job(i: int, klass: str = "HardJob", queue: str = "default", **extra) -> dict:
+    """A dead/retry entry as Sidekiq 6.4 writes it."""
+    job = {"retry": True, "queue": queue, "args": [i], "class": klass, "jid": "%024x" % (i + 1),
+           "created_at": 1700000000.5, "enqueued_at": 1700000000.6, "error_message": f"boom {i}",
+           "error_class": "RuntimeError", "failed_at": 1700000001.0, "retry_count": 3}
+    job.update(extra)
+    return job
+
+
+def fill(r, key: str, jobs: list[dict], base: float | None = None) -> None:
+    # recent scores: killing trims dead entries older than 180 days, as Sidekiq does
+    base = time.time() - 3600 if base is None else base
+    pipe = r.pipeline(transaction=False)
+    for i, job in enumerate(jobs):
+        pipe.zadd(key, {json.dumps(job): base + i})
+    pipe.execute()
+
+
+def jids_on(page) -> list[str]:
+    return re.findall(r'<tr data-jid="([^"]*)"', page.text)
+
+
+def heartbeat(r, identity: str, master: str | None = None, slot: int | None = None, quiet: bool = False) -> None:
+    """A live process's heartbeat in Sidekiq's format, with nobody reading its -signals."""
+    info = {"hostname": "web-test", "pid": 4242, "queues": ["default"], "concurrency": 5,
+            "identity": identity, "started_at": time.time()}
+    if master:
+        info.update(master=master, slot=slot)
+    r.sadd("processes", identity)
+    r.hset(identity, mapping={"info": json.dumps(info), "busy": 1, "beat": time.time(),
+                              "quiet": "true" if quiet else "false", "rss": 20480})
+
+
+# -- pages show what is in Redis ----------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_overview_shows_queues_totals_and_stats_json(browser, r, redis_url):
+    c = forkq.Client(redis_url)
+    for i in range(3):
+        c.push("app.Mail", [i], queue="mail")
+    c.push("app.Resize", [1], queue="images")
+    r.set("stat:processed", 1234)
+    r.set("stat:failed", 56)
+    fill(r, "dead", [dead_job(1)])
+    page = browser.get("/")
+    assert page.status == 200
+    assert re.search(r"<td>mail</td><td class=\"num\">3</td>", page.text), page.text
+    assert re.search(r"<td>images</td><td class=\"num\">1</td>", page.text)
+    assert 'data-stat="processed">1,234<' in page.text
+    assert 'id="rate-chart"' in page.text
+    stats = browser.get("/stats.json").json()
+    assert stats["processed"] == 1234 and stats["failed"] == 56
+    assert stats["enqueued"] == 4 and stats["dead"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_pages_show_jobs_ruby_sidekiq_pushed(sidekiq_ruby, browser, redis_url, r):
+    jid = sidekiq_ruby.push(redis_url, "InteropJob", [1, "two"], queue="rubyq")
+    later = sidekiq_ruby.push(redis_url, "InteropJob", [3], queue="rubyq", at=time.time() + 3600)
+    assert re.search(r"<td>rubyq</td><td class=\"num\">1</td>", browser.get("/").text)
+    scheduled = browser.get("/scheduled")
+    assert jids_on(scheduled) == [later]
+    assert "InteropJob" in scheduled.text and "rubyq" in scheduled.text
+    found = browser.get(f"/search?q={later}")
+    assert later in found.text and jid not in found.text
+
+
+@pytest.mark.timeout(60)
+def test_processes_page_groups_a_real_masters_children(browser, r, redis_url, start_master):
+    m = start_master(processes=2)
+    m.wait_ready(r)
+    page = browser.get("/processes")
+    assert page.status == 200
+    identities = re.findall(r'<tr data-identity="([^"]+)"', page.text)
+    assert len(identities) == 2
+    group = re.search(r"master <code>([^<]+)</code>", page.text).group(1)
+    assert f":{m.pid}:" in group  # the master's identity names its pid
+    for child in m.children():
+        assert f'<td class="num">{child}</td>' in page.text
+    assert page.text.count('<span class="tag ok">running</span>') == 2
+
+
+@pytest.mark.timeout(30)
+def test_busy_page_lists_running_jobs(browser, r, redis_url):
+    heartbeat(r, "web-test:1:aaa")
+    work = {"queue": "default", "run_at": int(time.time()) - 5,
+            "payload": json.dumps({"class": "SlowJob", "args": ["<b>x</b>"], "jid": "f" * 24})}
+    r.hset("web-test:1:aaa:workers", "tid1", json.dumps(work))
+    page = browser.get("/busy")
+    assert "SlowJob" in page.text and "f" * 24 in page.text
+    assert "<b>x</b>" not in page.text and "&lt;b&gt;x&lt;/b&gt;" in page.text
+
+
+# -- paging and search ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_dead_pages_newest_first_and_retries_soonest_first(browser, r, redis_url):
+    jobs = [dead_job(i) for i in range(60)]
+    fill(r, "dead", jobs)
+    fill(r, "retry", jobs)
+    want = [j["jid"] for j in jobs]
+    dead = [jids_on(browser.get(f"/dead?page={n}")) for n in (1, 2, 3)]
+    assert [len(p) for p in dead] == [25, 25, 10]
+    assert sum(dead, []) == want[::-1]
+    assert "page 1 of 3" in browser.get("/dead").text
+    retries = [jids_on(browser.get(f"/retries?page={n}")) for n in (1, 2, 3)]
+    assert sum(retries, []) == want
+    assert jids_on(browser.get("/retries?page=99")) == want[50:]  # past the end: the last page
+    assert jids_on(browser.get("/retries?page=nonsense")) == want[:25]
+
+
+@pytest.mark.timeout(30)
+def test_search_finds_by_jid_and_by_class_across_sets(browser, r, redis_url):
+    fill(r, "dead", [dead_job(i) for i in range(30)] + [dead_job(100, klass="Other")])
+    fill(r, "retry", [dead_job(200, klass="Other")])
+    target = dead_job(7)["jid"]
+    by_jid = browser.get(f"/search?q={target}")
+    assert jids_on(by_jid) == [target]
+    by_class = browser.get("/search?q=Other")
+    assert sorted(jids_on(by_class)) == sorted([dead_job(100)["jid"], dead_job(200)["jid"]])
+    assert jids_on(browser.get("/search?q=NoSuchThing")) == []
+
+
+# -- state changes: POST + CSRF -------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_post_without_csrf_is_rejected_and_nothing_changes(browser, r, redis_url):
+    fill(r, "dead", [dead_job(i) for i in range(5)])
+    page = browser.get("/dead")
+    assert page.status == 200
+    attempts = [
+        browser.post("/dead/action", {"bulk": "delete-all"}, csrf=""),                  # no token
+        browser.post("/dead/action", {"bulk": "delete-all"}, csrf=page.csrf + "x"),     # forged
+        browser.post("/dead/action", {"bulk": "delete-all"}, csrf=page.csrf,            # other site
+                     headers={"Origin": "http://evil.example"}),
+        browser.post("/dead/action", {"bulk": "delete-all"}, csrf=page.csrf,
+                     headers={"Sec-Fetch-Site": "cross-site"}),
+        Client(browser_base(browser)).post("/dead/action", {"bulk": "delete-all"},     # no cookie
+                                           csrf=page.csrf),
+    ]
+    assert [p.status for p in attempts] == [403] * 5
+    assert r.zcard("dead") == 5
+    assert browser.get("/dead/action").status == 405  # a GET never acts
+    assert r.zcard("dead") == 5
+
+
+def browser_base(c: Client) -> str:
+    return f"http://{c.host}:{c.port}{c.prefix}"
+
+
+@pytest.mark.timeout(30)
+def test_retry_delete_and_kill_buttons_change_redis(browser, r, redis_url):
+    fill(r, "dead", [dead_job(i) for i in range(3)])
+    fill(r, "retry", [dead_job(i) for i in range(10, 14)])
+    dead_page = browser.get("/dead")
+    retry_btn = re.search(r'name="do" value="(retry\|[^"]+)"', dead_page.text).group(1)
+    resp = browser.post("/dead/action", {"do": retry_btn, "back": "/dead"}, csrf=dead_page.csrf)
+    assert resp.status == 303 and resp.headers["Location"] == "/dead"
+    assert r.zcard("dead") == 2 and r.llen("queue:default") == 1
+    moved = json.loads(r.lindex("queue:default", 0))
+    assert moved["jid"] == dead_job(2)["jid"]  # the newest dead job is the first row
+    assert "retry: 1 job" in browser.get("/dead").text  # the flash message
+
+    page = browser.get("/retries")
+    keys = re.findall(r'name="key" value="([^"]+)"', page.text)
+    browser.post("/retries/action", [("bulk", "kill"), ("key", keys[0]), ("key", keys[1])], csrf=page.csrf)
+    assert r.zcard("retry") == 2 and r.zcard("dead") == 4
+    page = browser.get("/retries")
+    delete_btn = re.search(r'name="do" value="(delete\|[^"]+)"', page.text).group(1)
+    browser.post("/retries/action", {"do": delete_btn}, csrf=page.csrf)
+    assert r.zcard("retry") == 1
+    browser.post("/dead/action", {"bulk": "retry-all"}, csrf=page.csrf)
+    assert r.zcard("dead") == 0 and r.llen("queue:default") == 5
+    browser.post("/retries/action", {"bulk": "delete-all"}, csrf=page.csrf)
+    assert r.zcard("retry") == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_stale_button_for_a_job_already_gone_changes_nothing(browser, r, redis_url):
+    fill(r, "dead", [dead_job(1)])
+    page = browser.get("/dead")
+    btn = re.search(r'name="do" value="(retry\|[^"]+)"', page.text).group(1)
+    r.delete("dead")
+    resp = browser.post("/dead/action", {"do": btn}, csrf=page.csrf)
+    assert resp.status == 303 and r.llen("queue:default") == 0
+    assert browser.post("/dead/action", {"do": "retry|garbage"}, csrf=page.csrf).status == 303
+    assert browser.post("/dead/action", {"do": "kill|1.0~ab"}, csrf=page.csrf).status == 400  # dead can't be killed
+
+
+@pytest.mark.timeout(30)
+def test_quiet_and_stop_land_on_the_signals_lists(browser, r, redis_url):
+    for slot in (0, 1):
+        heartbeat(r, f"web-test:10{slot}:kid", master="web-test:100:boss", slot=slot)
+    heartbeat(r, "web-test:200:alone")
+    page = browser.get("/processes")
+    assert "Quiet all" in page.text
+    browser.post("/processes/signal", {"do": "quiet|master|web-test:100:boss"}, csrf=page.csrf)
+    assert r.lrange("web-test:100:kid-signals", 0, -1) == [b"TSTP"]
+    assert r.lrange("web-test:101:kid-signals", 0, -1) == [b"TSTP"]
+    assert r.llen("web-test:200:alone-signals") == 0
+    resp = browser.post("/processes/signal", {"do": "stop|identity|web-test:200:alone"}, csrf=page.csrf)
+    assert resp.status == 303
+    assert r.lrange("web-test:200:alone-signals", 0, -1) == [b"TERM"]
+    assert r.ttl("web-test:200:alone-signals") > 0
+    assert "stop: signalled 1 process" in browser.get("/processes").text
+    assert browser.post("/processes/signal", {"do": "explode|identity|x"}, csrf=page.csrf).status == 400
+
+
+# -- security: escaping, headers, auth, bind ------------------------------------------
+
+
+HOSTILE = '<script>alert("x")</script><img src=x onerror=alert(1)>'
+
+
+@pytest.mark.timeout(30)
+def test_hostile_payload_text_is_escaped_everywhere(browser, r, redis_url):
+    job = dead_job(1, klass=HOSTILE, queue="q<i>", args=[HOSTILE, {"k": HOSTILE}],
+                   error_class=HOSTILE, error_message=HOSTILE, jid=HOSTILE)
+    fill(r, "dead", [job])
+    fill(r, "retry", [job])
+    r.zadd("schedule", {b"\xff<script>not json": 1})
+    r.sadd("queues", HOSTILE)
+    pages = [browser.get(p) for p in ("/", "/dead", "/retries", "/scheduled", "/search?q=" + quote(HOSTILE))]
+    for page in pages:
+        assert page.status == 200
+        assert "<script>alert" not in page.text and "<img src=x" not in page.text
+        assert "<script>not" not in page.text
+    assert "&lt;script&gt;alert(" in pages[1].text
+    headers = pages[1].headers
+    assert "script-src 'self'" in headers["Content-Security-Policy"]
+    assert "frame-ancestors 'none'" in headers["Content-Security-Policy"]
+    assert headers["X-Frame-Options"] == "DENY"
+    assert headers["Cache-Control"] == "no-store"
+    assert headers["X-Content-Type-Options"] == "nosniff"
+    assert "<script>" not in re.sub(r'<script src="[^"]+" defer></script>', "", pages[1].text)
+
+
+@pytest.mark.timeout(30)
+def test_non_loopback_bind_refuses_without_a_password_or_token(redis_url):
+    for bind in ("0.0.0.0", "::", "192.0.2.1", "example.com"):
+        out = run_forkq("web", "--bind", bind, "--port", "1", "--redis-url", redis_url)
+        assert out.returncode != 0
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+        assert "--password or --token" in out.stderr
+    out = run_forkq("web", "--port", "http")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "--port" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(40)
+def test_password_means_basic_auth_on_every_page(redis_url, r):
+    fill(r, "dead", [dead_job(1)])
+    with WebServer(redis_url, "--bind", "0.0.0.0", env={"FORKQ_WEB_PASSWORD": "s3cret"}) as web:
+        anon = Client(web.base)
+        for path in ("/", "/dead", "/stats.json"):
+            page = anon.get(path)
+            assert page.status == 401 and page.headers["WWW-Authenticate"].startswith("Basic")
+        assert anon.post("/dead/action", {"bulk": "delete-all"}, csrf="x").status == 401
+        assert Client(web.base, auth=("admin", "wrong")).get("/").status == 401
+        good = Client(web.base, auth=("anyone", "s3cret"))
+        assert good.get("/dead").status == 200
+        good.post("/dead/action", {"bulk": "delete-all"})
+        assert r.zcard("dead") == 0
+
+
+@pytest.mark.timeout(40)
+def test_token_works_as_bearer_or_through_the_login_form(redis_url, r):
+    with WebServer(redis_url, "--token", "tok-123") as web:
+        anon = Client(web.base)
+        resp = anon.get("/dead")
+        assert resp.status == 303 and resp.headers["Location"] == "/login"
+        assert anon.get("/stats.json").status == 401
+        assert Client(web.base, bearer="nope").get("/stats.json").status == 401
+        assert Client(web.base, bearer="tok-123").get("/stats.json").status == 200
+        login = anon.get("/login")
+        assert anon.post("/login", {"token": "wrong"}, csrf=login.csrf).status == 401
+        assert anon.post("/login", {"token": "tok-123"}, csrf="").status == 403  # CSRF here too
+        resp = anon.post("/login", {"token": "tok-123"}, csrf=login.csrf)
+        assert resp.status == 303 and "forkq_session" in anon.cookies
+        assert anon.get("/dead").status == 200
+        anon.post("/logout", {}, csrf=anon.get("/").csrf)
+        assert anon.get("/dead").status == 303
+
+
+# -- mounted under a prefix ----------------------------------------------------------
+
+
+def _links(text: str) -> list[str]:
+    return re.findall(r'(?:href|src|action)="([^"]+)"', text)
+
+
+@pytest.mark.timeout(40)
+def test_url_prefix_puts_the_prefix_on_every_link_and_form(redis_url, r):
+    fill(r, "dead", [dead_job(i) for i in range(30)])
+    with WebServer(redis_url, "--url-prefix", "/ops/forkq", prefix="/ops/forkq") as web:
+        browser = Client(web.base)
+        page = browser.get("/dead")
+        assert page.status == 200
+        links = _links(page.text)
+        assert links and all(link.startswith("/ops/forkq/") for link in links), links
+        assert "/ops/forkq/dead?page=2" in links
+        assert "Path=/ops/forkq/" in page.headers["Set-Cookie"]
+        resp = browser.post("/dead/action", {"bulk": "retry-all", "back": "/dead?page=2"}, csrf=page.csrf)
+        assert resp.status == 303 and resp.headers["Location"] == "/ops/forkq/dead?page=2"
+        assert r.zcard("dead") == 0
+
+
+MOUNTED = """
+import sys, waitress
+from forkq.web import make_app, mount
+def site(environ, start_response):
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"the host site"]
+waitress.serve(mount(site, "/admin/jobs", make_app(sys.argv[1])), host="127.0.0.1",
+               port=int(sys.argv[2]), _quiet=True)
+"""
+
+
+@pytest.mark.timeout(40)
+def test_mount_serves_the_dashboard_inside_another_wsgi_app(redis_url, r):
+    fill(r, "retry", [dead_job(1)])
+    server = WebServer(redis_url, prefix="/admin/jobs")
+    server.cmd = [sys.executable, "-c", MOUNTED, redis_url, str(server.port)]
+    with server as web:
+        browser = Client(web.base)
+        page = browser.get("/retries")
+        links = _links(page.text)
+        assert all(link.startswith("/admin/jobs/") for link in links), links
+        assert jids_on(page) == [dead_job(1)["jid"]]
+        browser.post("/retries/action", {"bulk": "kill-all"}, csrf=page.csrf)
+        assert r.zcard("dead") == 1
+        outer = Client(f"http://127.0.0.1:{web.port}")
+        assert outer.get("/elsewhere").text == "the host site"
+
+
+@pytest.mark.timeout(30)
+def test_redis_down_is_a_readable_503(redis_url, own_redis):
+    url = own_redis.url
+    with WebServer(url) as web:
+        own_redis.stop()
+        page = Client(web.base).get("/dead")
+        assert page.status == 503 and "cannot reach Redis" in page.text
+        assert "Traceback" not in page.text
