@@ -241,16 +241,19 @@ class Client:
             jobs = [j for j in (self._through_middleware(j) for j in jobs) if j is not None]
         if not jobs:
             return []
+        # middleware may put anything in a payload: only jobs built here from checked args
+        # take the fast encoder
+        encode = payload.dumps if self.middleware else payload.dumps_new
         run_at = None if at is None else epoch(at)
         now = time.time()
         if run_at is not None and run_at > now:
-            members = {payload.dumps(j): run_at for j in jobs}
+            members = {encode(j): run_at for j in jobs}
             self._send(lambda c: c.zadd(keys.SCHEDULE, members))
             return [j["jid"] for j in jobs]
         by_queue: dict[str, list[str]] = {}
         for j in jobs:
             j["enqueued_at"] = now
-            by_queue.setdefault(j["queue"], []).append(payload.dumps(j))
+            by_queue.setdefault(j["queue"], []).append(encode(j))
         if len(by_queue) == 1:
             ((q, raws),) = by_queue.items()
             if len(raws) <= PUSH_SCRIPT_MAX:

@@ -5,16 +5,37 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 import time
 import zlib
 from random import getrandbits
 from typing import Any
 
+import orjson
+
 from .errors import MalformedPayload
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 _encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
-_decode = json.loads
+_fast_encode = orjson.dumps
+_fast_decode = orjson.loads
+_FastDecodeError = orjson.JSONDecodeError
+# orjson reads an integer beyond 64 bits as a float, silently losing digits; a Ruby
+# bignum in a Sidekiq payload must survive, so such payloads take the standard parser
+_LONG_NUMBER = re.compile(r"[0-9]{19}").search
+_LONG_NUMBER_BYTES = re.compile(rb"[0-9]{19}").search
+
+
+def _decode(raw: bytes | str) -> Any:
+    """json.loads, about 5x faster. orjson refuses what json accepts (NaN, lone surrogate
+    escapes, UTF-16) and would round long integers: those go to json.loads, so what a
+    payload means and how a bad one is reported stay exactly json's."""
+    if (_LONG_NUMBER_BYTES if type(raw) is bytes else _LONG_NUMBER)(raw) is None:
+        try:
+            return _fast_decode(raw)
+        except _FastDecodeError:
+            pass
+    return json.loads(raw)
 
 
 def new_jid() -> str:
@@ -24,7 +45,19 @@ def new_jid() -> str:
 
 
 def dumps(job: dict[str, Any]) -> str:
+    """Re-encode a payload read from Redis: json's rules, so a NaN that json.loads let in
+    raises ValueError here (orjson would write null and change the job)."""
     return _encode(job)
+
+
+def dumps_new(job: dict[str, Any]) -> bytes | str:
+    """Encode a payload built from checked args (finite floats only, str keys): orjson,
+    about 10x faster than json, with json for what orjson refuses (integers beyond 64
+    bits, lone surrogates). Both write compact JSON that Sidekiq reads the same way."""
+    try:
+        return _fast_encode(job)
+    except TypeError:
+        return _encode(job)
 
 
 def _native(value: Any) -> bool:

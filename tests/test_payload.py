@@ -168,6 +168,44 @@ def test_any_json_native_args_survive_build_dumps_parse(args):
     assert back == job
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(json_values, max_size=5))
+def test_the_fast_encoder_and_decoder_agree_with_json(args):
+    """dumps_new (orjson, json fallback) writes what json.loads reads back equal, and
+    _decode reads anything json writes exactly as json.loads does (long integers too)."""
+    job = payload.build("P", payload.check_args(args))
+    fast = payload.dumps_new(job)
+    assert json.loads(fast) == job
+    assert payload.parse(fast) == job
+    slow = payload.dumps(job)
+    assert payload._decode(slow) == json.loads(slow) == job
+
+
+@pytest.mark.parametrize("raw", [
+    b'[123456789012345678901234567890]', b'[-18446744073709551617]', '[9999999999999999999]',
+    b'[NaN, Infinity]', b'["\\ud800"]', '{"a":1,"a":2}', "[1]".encode("utf-16"),
+])
+def test_decode_keeps_json_semantics_where_orjson_differs(raw):
+    first = payload._decode(raw)
+    expected = json.loads(raw)
+    assert repr(first) == repr(expected)  # repr: NaN != NaN, and int vs float matters
+
+
+@pytest.mark.parametrize("raw", [b'{"a":', b'\xff', b"[" * 5000])
+def test_decode_errors_are_json_errors(raw):
+    with pytest.raises((ValueError, RecursionError)) as fast:
+        payload._decode(raw)
+    with pytest.raises((ValueError, RecursionError)) as slow:
+        json.loads(raw)
+    assert type(fast.value) is type(slow.value)
+
+
+def test_dumps_new_takes_json_for_what_orjson_refuses():
+    assert json.loads(payload.dumps_new({"args": [2**70]})) == {"args": [2**70]}
+    with pytest.raises(ValueError):
+        payload.dumps({"args": [math.nan]})  # a re-encoded payload must not turn NaN into null
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.lists(json_values, max_size=3), st.sampled_from([
     set(), frozenset(), b"", bytearray(), (), complex(1, 1), math.nan, -math.inf,
