@@ -8,7 +8,9 @@ where the bad value came from, and what it accepts.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +43,33 @@ def positive_float(text: Any) -> float:
         raise ValueError(f"must be a number, not {text!r}") from None
     if not value > 0 or value == float("inf"):
         raise ValueError(f"must be a number above 0, not {text!r}")
+    return value
+
+
+def port(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"must be a TCP port number (1-65535), not {value!r}")
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"must be a TCP port number (1-65535), not {value!r}") from None
+    if isinstance(value, float) and value != number or not 1 <= number <= 65535:
+        raise ValueError(f"must be a TCP port number (1-65535), not {value!r}")
+    return number
+
+
+def bind_address(value: Any) -> str:
+    """An IP address or a host name to listen on; whether it can be bound is found out at
+    start, where the error names it too."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"must be an IP address or host name, such as 0.0.0.0, :: or 127.0.0.1, not {value!r}")
+    value = value.strip()
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", value):
+            raise ValueError(f"must be an IP address or host name, such as 0.0.0.0, :: or 127.0.0.1, "
+                             f"not {value!r}") from None
     return value
 
 
@@ -129,7 +158,13 @@ OPTIONS = [
     Option("--recovery-delay", "recovery_delay", positive_float,
            "seconds without a heartbeat before another forkq recovers a dead process's jobs (default 60)"),
     Option("--pidfile", "pidfile", text, "write the master's pid here (default $FORKQ_PIDFILE or /tmp/forkq.pid)"),
+    Option("--metrics-port", "metrics_port", port,
+           "serve Prometheus metrics from the master on this port (default: off)", metavar="PORT"),
+    Option("--metrics-bind", "metrics_bind", bind_address,
+           "address the metrics port listens on (default 0.0.0.0: every IPv4 interface; :: for IPv6 too)",
+           metavar="ADDRESS"),
 ]
+
 def _keys() -> dict[str, Option]:
     table: dict[str, Option] = {}
     for o in OPTIONS:

@@ -62,13 +62,15 @@ class RedisHealth:
 
 class Manager:
     def __init__(self, connect: Callable[[], redis.Redis], identity: str, order: QueueOrder,
-                 concurrency: int, block_timeout: float = 2.0, master: str | None = None) -> None:
+                 concurrency: int, block_timeout: float = 2.0, master: str | None = None,
+                 processor: type[Processor] = Processor) -> None:
         self.redis = connect()
         self.concurrency = concurrency
         self.fetch = ReliableFetch(self.redis, identity, order, block_timeout, master)
         self.health = RedisHealth()
         self.outcomes = Outcomes(self.redis, self.fetch.inflight_key)
-        self.processors = [Processor(self, i, self.outcomes) for i in range(concurrency)]
+        # `processor`: MeteredProcessor when the master serves metrics
+        self.processors = [processor(self, i, self.outcomes) for i in range(concurrency)]
         self.waiters = Waiters(self.fetch, connect, self._wake_fetcher, self.health.failed)
         self.quiet_flag = False
         self.hard_stopped = False

@@ -11,6 +11,7 @@ from . import hooks, logs, payload
 from .errors import MalformedPayload, UnknownJob
 from .fetch import Unit
 from .jobs import lookup
+from .metrics import JobTable
 from .retry import Outcomes, dead_entry_for_malformed, message
 
 if TYPE_CHECKING:
@@ -118,3 +119,25 @@ class Processor:
         log.error("malformed payload moved to the dead set", queue=unit.queue, reason=reason,
                   dead_jid=entry["jid"])
         return False
+
+
+class MeteredProcessor(Processor):
+    """A Processor that also counts what it runs, for `--metrics-port`.
+
+    A subclass rather than a flag in Processor: with metrics off, the hot path does not
+    even test whether they are on. With them on, a job costs a dict lookup and a few
+    additions in this thread's own table (metrics.JobTable): no lock, no syscall, no Redis.
+    """
+
+    def __init__(self, manager: "Manager", index: int, outcomes: Outcomes) -> None:
+        super().__init__(manager, index, outcomes)
+        self.table = JobTable()
+
+    def _perform(self, unit: Unit, job: dict[str, Any], name: str, jobdef: Any) -> bool:
+        failed = self.failed
+        started = time.perf_counter()
+        # a job cut off by a hard stop raises through here uncounted: it goes back to its queue
+        result = super()._perform(unit, job, name, jobdef)
+        self.table.observe(payload.display_name(job), unit.queue, time.perf_counter() - started,
+                           self.failed != failed)
+        return result

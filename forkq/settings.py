@@ -29,3 +29,6 @@ class Settings:
     boot_window: float = 10.0
     pidfile: str | None = None
     recovery_delay: float = 60.0
+    # metrics (served by the master; see metrics.py)
+    metrics_port: int | None = None
+    metrics_bind: str = "0.0.0.0"

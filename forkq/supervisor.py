@@ -26,6 +26,7 @@ import setproctitle
 
 from . import client, hooks, logs, orphans, systemd
 from .fetch import requeue_owner_counts
+from .metrics import MetricsServer
 from .settings import Settings
 
 log = logs.get("forkq.supervisor")
@@ -91,9 +92,16 @@ class Supervisor:
         self._sweep_every = max(1.0, min(settings.recovery_delay / 4, 15.0))
         self._watchdog_every = systemd.watchdog_interval()
         self._last_watchdog = 0.0
+        self.metrics: MetricsServer | None = None
 
     # -- main loop ----------------------------------------------------------------------
     def run(self) -> int:
+        if self.settings.metrics_port is not None:
+            # listening before the first fork, and before gc.freeze(): the children share
+            # the imported client library's pages, and close the socket (see child_main)
+            self.metrics = MetricsServer(self, self.settings.metrics_bind, self.settings.metrics_port)
+            host, port = self.metrics.address
+            log.info("metrics served", url=f"http://{host}:{port}/metrics")
         for fd in (self._sig_r, self._sig_w):
             os.set_blocking(fd, False)
         signal.set_wakeup_fd(self._sig_w)
@@ -123,6 +131,8 @@ class Supervisor:
                 self.enforce_stop_deadline()
         finally:
             self.requeue_pending(final=True)
+            if self.metrics is not None:
+                self.metrics.close()
         log.info("master stopped", exit_code=self.exit_code, restarts=self.stats.restarts,
                  requeued=self.stats.requeued, poisoned=self.stats.poisoned,
                  suspects=self.stats.suspects)
@@ -130,16 +140,26 @@ class Supervisor:
 
     def wait_for_events(self, timeout: float) -> None:
         fds = [self._sig_r] + [c.report_r for c in self.children.values()]
+        wfds: list[int] = []
+        if self.metrics is not None:
+            fds += self.metrics.read_fds()
+            wfds = self.metrics.write_fds()
         try:
-            ready, _, _ = select.select(fds, [], [], timeout)
+            ready, writable, _ = select.select(fds, wfds, [], timeout)
         except InterruptedError:
-            ready = []
+            ready, writable = [], []
         by_fd = {c.report_r: c for c in self.children.values()}
         for fd in ready:
             if fd == self._sig_r:
                 self.handle_signals()
             elif fd in by_fd:
                 self.read_report(by_fd[fd])
+            elif self.metrics is not None and self.metrics.owns(fd):
+                self.metrics.readable(fd)
+        if self.metrics is not None:
+            for fd in writable:
+                self.metrics.writable(fd)
+            self.metrics.expire()
 
     def handle_signals(self) -> None:
         try:
@@ -193,7 +213,7 @@ class Supervisor:
     # -- children -------------------------------------------------------------------------
     def read_report(self, child: Child) -> bool:
         """Read what the child wrote: "B<busy>" pings, "Q"/"T" quiet or stop asked through
-        Redis, or "E<error>" before it dies."""
+        Redis, "E<error>" before it dies, or "M<json>" metrics deltas (--metrics-port)."""
         try:
             data = os.read(child.report_r, 4096)
         except (BlockingIOError, InterruptedError):
@@ -216,6 +236,10 @@ class Supervisor:
                 self.handle_stop(signal.SIGTERM)
             elif line.startswith(b"E"):
                 child.fatal = line[1:].decode("utf-8", "replace")
+            elif line.startswith(b"M") and self.metrics is not None:
+                self.metrics.aggregates.add(line[1:])
+        if len(child.buffer) > 65536:
+            child.buffer = b""  # no line of the protocol is this long: drop, don't grow
         return True
 
     def reap_children(self) -> None:
@@ -381,7 +405,9 @@ class Supervisor:
     def child_main(self, index: int, nonce: str, control_r: int, report_w: int,
                    inherited: list[int]) -> int:
         # nothing of the master's survives here: its signal traps, its wakeup fd, the
-        # pipes of other children (holding one would hide the master's death from them)
+        # pipes of other children (holding one would hide the master's death from them),
+        # the metrics sockets (a child holding the listener would keep the port open
+        # after the master died, and could accept a scrape nobody answers)
         signal.set_wakeup_fd(-1)
         for sig in FORWARDED + (signal.SIGCHLD,):
             signal.signal(sig, signal.SIG_DFL)
@@ -392,6 +418,9 @@ class Supervisor:
                 os.close(fd)
             except OSError:
                 pass
+        if self.metrics is not None:
+            self.metrics.abandon()
+            self.metrics = None
         os.environ["FORKQ_INDEX"] = str(index)
         systemd.drop_environment()  # only the master speaks to systemd
         s = self.settings

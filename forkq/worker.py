@@ -25,6 +25,8 @@ from . import __version__, client, logs
 from .fetch import requeue_owner
 from .launcher import Launcher, new_identity
 from .manager import REDIS_ERRORS, Manager
+from .metrics import DeltaReporter
+from .processor import MeteredProcessor, Processor
 from .queues import QueueOrder
 from .scheduler import Scheduler
 from .settings import Settings
@@ -48,6 +50,7 @@ class Worker:
         self._cmd_r, self._cmd_w = os.pipe()
         os.set_blocking(self._cmd_w, False)
         self.stopping = False
+        self.metrics: DeltaReporter | None = None
 
     def connect(self) -> redis.Redis:
         # socket_timeout bounds a command when Redis stops answering (paused, cut); a
@@ -66,8 +69,13 @@ class Worker:
     def run(self) -> int:
         s = self.settings
         conn = self.connect()
+        # metrics are counted only in a child: its master sums and serves them
+        metered = s.metrics_port is not None and self.report_fd is not None
         self.manager = Manager(self.connect, self.identity, QueueOrder(s.queues), s.concurrency,
-                               s.block_timeout, self.master)
+                               s.block_timeout, self.master,
+                               processor=MeteredProcessor if metered else Processor)
+        self.metrics = (DeltaReporter([p.table for p in self.manager.processors])  # type: ignore[attr-defined]
+                        if metered else None)
         info = {"tag": s.tag, "concurrency": s.concurrency, "queues": self.manager.fetch.order.names,
                 "weights": [{n: w for n, w in s.queues}], "labels": s.labels, "version": __version__,
                 "embedded": False, "forkq": True, "master": self.master, "slot": self.slot}
@@ -130,6 +138,8 @@ class Worker:
             os.write(self.report_fd, b"B%d\n" % busy)
         except (BlockingIOError, BrokenPipeError):
             pass
+        if self.metrics is not None:
+            self.metrics.send(self.report_fd)
         shown = (busy, self.manager.quiet_flag)
         if self.title and shown != self._title_shown:
             self._title_shown = shown
@@ -159,6 +169,8 @@ class Worker:
                         busy=self.manager.busy())
         requeued = self._requeue_all()
         self.launcher.stop()
+        if self.metrics is not None and self.report_fd is not None:
+            self.metrics.send(self.report_fd)  # the last jobs' counts, before the master reaps us
         log.info("worker stopped", requeued=requeued)
         if self.manager.hard_stopped:
             # threads still inside job code must not outlive the stop or write outcomes
@@ -190,6 +202,8 @@ def dump_threads() -> None:
 
 def run_standalone(settings: Settings) -> int:
     """`forkq start --no-fork`: one worker in this process, driven by its own signals."""
+    if settings.metrics_port is not None:
+        log.warning("--metrics-port is served by the master, and --no-fork runs none: no metrics")
     worker = Worker(settings)
     os.set_blocking(worker._cmd_w, False)
     signal.set_wakeup_fd(worker._cmd_w)

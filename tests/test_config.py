@@ -172,6 +172,8 @@ SAMPLES = {
     "poison_after": ("5", "5", 5),
     "recovery_delay": ("90", "90", 90.0),
     "pidfile": ("/run/x.pid", '"/run/x.pid"', "/run/x.pid"),
+    "metrics_port": ("9100", "9100", 9100),
+    "metrics_bind": ("::", '"::"', "::"),
 }
 
 
