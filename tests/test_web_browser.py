@@ -1,0 +1,139 @@
+"""The dashboard in a real browser: Debian's headless Chromium driven through selenium and
+chromedriver, against a real `forkq web` and a real Redis (and a real forkq for Quiet).
+
+Skipped, saying why, when chromium, chromedriver or selenium is missing
+(`apt-get install -y chromium chromium-driver`; .ci/run does this).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+import time
+
+import pytest
+
+from helpers import wait_until
+from test_ctl import start_master  # noqa: F401  (a fixture)
+from webkit import WebServer
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-dev-shm-usage", "--window-size=1280,900"]
+
+
+def _missing() -> str | None:
+    if not shutil.which(CHROMIUM):
+        return f"{CHROMIUM} is missing: apt-get install -y chromium chromium-driver"
+    if not shutil.which(CHROMEDRIVER):
+        return "chromedriver is missing: apt-get install -y chromium-driver"
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "selenium is not installed: pip install -e '.[test]'"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+
+
+@pytest.fixture
+def chrome():
+    """A fresh headless Chromium (its own profile directory) for one test."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    profile = tempfile.mkdtemp(prefix="forkq-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in CHROME_FLAGS + [f"--user-data-dir={profile}"]:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(20)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+def web(redis_url):
+    with WebServer(redis_url) as server:
+        yield server
+
+
+def console_errors(driver) -> list[str]:
+    try:
+        return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    except Exception:  # not every driver keeps a console log
+        return []
+
+
+@pytest.mark.timeout(60)
+def test_overview_chart_gets_data_points_and_shows_the_rate(chrome, web, r):
+    from selenium.webdriver.common.by import By
+    chrome.get(web.base + "/")
+    canvas = chrome.find_element(By.ID, "rate-chart")
+
+    def busy_and_charted():
+        r.incrby("stat:processed", 50)  # as if workers were finishing jobs between polls
+        return int(canvas.get_attribute("data-points") or 0) >= 3
+    wait_until(busy_and_charted, timeout=30, interval=0.2, message="three chart points")
+    rate = chrome.find_element(By.ID, "rate-now").text
+    assert re.match(r"[0-9.]+ processed/s", rate) and not rate.startswith("0.0 "), rate
+    # the live totals follow Redis too
+    shown = chrome.find_element(By.CSS_SELECTOR, '[data-stat="processed"]').text.replace(",", "")
+    assert int(shown) > 0
+    # something was drawn: the canvas is not one flat colour
+    painted = chrome.execute_script(
+        "var c = document.getElementById('rate-chart'), d = c.getContext('2d')"
+        ".getImageData(0, 0, c.width, c.height).data, seen = {};"
+        "for (var i = 0; i < d.length; i += 4 * 97) seen[d[i] + ',' + d[i+1] + ',' + d[i+2]] = 1;"
+        "return Object.keys(seen).length;")
+    assert painted > 2
+    assert console_errors(chrome) == []
+
+
+@pytest.mark.timeout(60)
+def test_clicking_retry_on_the_dead_page_moves_the_job(chrome, web, r):
+    from selenium.webdriver.common.by import By
+    job = {"class": "HardJob", "args": [1], "jid": "b" * 24, "queue": "mail", "retry": True,
+           "error_class": "RuntimeError", "error_message": "boom", "retry_count": 25,
+           "failed_at": time.time() - 60, "enqueued_at": time.time() - 120}
+    r.zadd("dead", {json.dumps(job): time.time() - 60})
+    chrome.get(web.base + "/dead")
+    row = chrome.find_element(By.CSS_SELECTOR, f'tr[data-jid="{"b" * 24}"]')
+    row.find_element(By.CSS_SELECTOR, 'button[value^="retry|"]').click()
+    wait_until(lambda: r.llen("queue:mail") == 1, timeout=15, message="the job back on queue:mail")
+    assert r.zcard("dead") == 0
+    assert json.loads(r.lindex("queue:mail", 0))["jid"] == "b" * 24
+    wait_until(lambda: "retry: 1 job" in chrome.page_source, timeout=10, message="the flash message")
+    assert chrome.current_url.rstrip("/").endswith("/dead")
+
+
+@pytest.mark.timeout(90)
+def test_quiet_button_quiets_a_real_running_forkq(chrome, web, r, redis_url, start_master):
+    from selenium.webdriver.common.by import By
+    m = start_master(processes=2)
+    m.wait_ready(r)
+    chrome.get(web.base + "/processes")
+    rows = chrome.find_elements(By.CSS_SELECTOR, "tr[data-identity]")
+    assert len(rows) == 2
+    identity = rows[0].get_attribute("data-identity")
+    other = rows[1].get_attribute("data-identity")
+    rows[0].find_element(By.CSS_SELECTOR, 'button[value^="quiet|"]').click()
+    wait_until(lambda: "quiet: signalled 1 process" in chrome.page_source, timeout=10,
+               message="the flash message")
+    # the child reads its -signals list at its next heartbeat and reports itself quiet
+    wait_until(lambda: r.hget(identity, "quiet") == b"true", timeout=20, interval=0.1,
+               message=f"{identity} heartbeat quiet\n{m.tail()}")
+    # a child passes a remote quiet to its master, which quiets all its children
+    wait_until(lambda: r.hget(other, "quiet") == b"true", timeout=20, interval=0.1,
+               message=f"{other} heartbeat quiet too\n{m.tail()}")
+    chrome.get(web.base + "/processes")
+    row = chrome.find_element(By.CSS_SELECTOR, f'tr[data-identity="{identity}"]')
+    assert row.find_element(By.CSS_SELECTOR, "td.state").text == "quiet"
