@@ -421,3 +421,25 @@ def test_made_up_class_names_cannot_grow_memory_without_bound():
         table.observe(f"Junk{i}", "q", 0.0, failed=True)
     assert len(table.rows) == metrics.CHILD_KEYS + 1
     assert table.rows[(metrics.OTHER, "q")][0] == 100
+
+
+# -- the Kubernetes manifest -----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_kubernetes_scrape_annotation_names_the_port_forkq_serves_on(capsys):
+    yaml = pytest.importorskip("yaml")
+    from forkq import cli
+    manifest = REPO_ROOT / "deploy" / "kubernetes" / "deployment.yaml"
+    (deployment,) = [d for d in yaml.safe_load_all(manifest.read_text()) if d and d["kind"] == "Deployment"]
+    template = deployment["spec"]["template"]
+    (container,) = [c for c in template["spec"]["containers"] if c["name"] == "forkq"]
+    args = cli.build_parser().parse_args(container["command"][1:])
+    settings, _ = cli.settings_from(args)
+    annotations = template["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert int(annotations["prometheus.io/port"]) == settings.metrics_port
+    assert annotations["prometheus.io/path"] == "/metrics"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == settings.metrics_port
+    assert settings.metrics_bind in ("0.0.0.0", "::"), "a scraper outside the pod must reach it"
