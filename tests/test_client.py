@@ -357,6 +357,36 @@ def test_redisunavailable_when_the_server_goes_away(own_redis):
 
 
 @pytest.mark.timeout(30)
+def test_a_connection_the_server_closed_while_idle_is_replaced_without_a_duplicate(redis_url, r):
+    client = forkq.Client(redis_url)
+    assert client.push("X", [1])
+    killed = r.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    assert killed >= 1  # the client's idle connection is gone
+    assert client.push("X", [2])
+    assert [j["args"] for j in _queue(r)] == [[1], [2]]
+
+
+@pytest.mark.timeout(60)
+def test_threads_share_a_client_and_every_push_lands_once(redis_url, r):
+    import threading
+    client = forkq.Client(redis_url)
+    jids: list[str] = []
+
+    def pusher(t: int) -> None:
+        for i in range(300):
+            jids.append(client.push("X", [t, i]))
+
+    threads = [threading.Thread(target=pusher, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    queued = _queue(r)
+    assert len(queued) == len(jids) == 2400 and len(set(jids)) == 2400
+    assert sorted(tuple(j["args"]) for j in queued) == [(t, i) for t in range(8) for i in range(300)]
+
+
+@pytest.mark.timeout(30)
 def test_a_redis_that_stops_answering_raises_instead_of_hanging(own_redis):
     assert forkq.Client(own_redis.url).redis.connection_pool.connection_kwargs[
         "socket_timeout"] == 5.0  # the default: finite, as Sidekiq's
