@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Any
 
+import orjson
 import structlog
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
@@ -63,12 +64,39 @@ def _timestamp(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any
     return event
 
 
-_json_encode = json.JSONEncoder(separators=(", ", ": "), ensure_ascii=False, default=repr).encode
+_json_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=repr).encode
+_ORJSON_OPTIONS = orjson.OPT_NON_STR_KEYS
 
 
 def _render_json(_logger: Any, _name: str, event: dict[str, Any]) -> str:
-    # one encoder built once: json.dumps with options builds a new one per call
-    return _json_encode(event)
+    try:
+        return orjson.dumps(event, default=repr, option=_ORJSON_OPTIONS).decode()
+    except TypeError:  # what orjson refuses (a lone surrogate, a huge int): json writes it
+        return _json_encode(event)
+
+
+_LEVEL_OF = {"warn": "warning", "exception": "error", "msg": "info", "failure": "error",
+             "err": "error", "fatal": "critical"}
+_format_exc_info = structlog.processors.format_exc_info
+
+
+def _json_line(logger: Any, method: str, event: dict[str, Any]) -> str:
+    """The JSON chain in one function: level, timestamp, pid, slot, the running job,
+    a formatted exception. A job logs a line at start and at finish, so the five
+    structlog processors this replaces cost a third of throughput at info level."""
+    event["level"] = _LEVEL_OF.get(method, method)
+    _timestamp(logger, method, event)
+    event["pid"] = os.getpid()
+    if _slot is not None:
+        event["slot"] = _slot
+    current = getattr(_job, "current", None)
+    if current is not None:
+        event.setdefault("jid", current[0])
+        event.setdefault("class", current[1])
+        event.setdefault("queue", current[2])
+    if "exc_info" in event or "exception" in event:
+        event = _format_exc_info(logger, method, event)
+    return _render_json(logger, method, event)
 
 
 def configure(level: str = "info", fmt: str | None = None, slot: int | None = None,
@@ -80,17 +108,14 @@ def configure(level: str = "info", fmt: str | None = None, slot: int | None = No
     stream = stream or sys.stdout
     if fmt is None:
         fmt = "text" if stream.isatty() else "json"
-    renderer: Any = (_render_json if fmt == "json"
-                     else structlog.dev.ConsoleRenderer(colors=stream.isatty()))
+    if fmt == "json":
+        processors: list[Any] = [_json_line]
+    else:
+        processors = [structlog.processors.add_log_level, _timestamp, _add_process, _add_job,
+                      structlog.processors.format_exc_info,
+                      structlog.dev.ConsoleRenderer(colors=stream.isatty())]
     structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            _timestamp,
-            _add_process,
-            _add_job,
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_level),
         # one write per line, under a lock: threads' lines never interleave
         logger_factory=structlog.WriteLoggerFactory(stream),

@@ -81,3 +81,32 @@ def test_stop_works_while_redis_is_unreachable(mode, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.timeout(10)
+def test_json_lines_carry_level_time_process_job_and_exception():
+    import io
+    from forkq import logs
+    out = io.StringIO()
+    out.isatty = lambda: False
+    try:
+        logs.configure("info", "json", slot=2, stream=out)
+        log = logs.get("forkq.test")
+        logs.set_job("abc", "Mailer", "mail")
+        log.info("done", elapsed_ms=1.5)
+        logs.clear_job()
+        try:
+            raise KeyError("gone")
+        except KeyError:
+            log.exception("failed", odd={1: object()})
+        log.warn("careful")
+        log.debug("not shown")
+        done, failed, warned = [json.loads(line) for line in out.getvalue().splitlines()]
+    finally:
+        logs.configure("info", "json")
+    assert done["event"] == "done" and done["level"] == "info" and done["elapsed_ms"] == 1.5
+    assert (done["jid"], done["class"], done["queue"], done["slot"]) == ("abc", "Mailer", "mail", 2)
+    assert done["pid"] == os.getpid() and done["timestamp"].endswith("Z")
+    assert failed["level"] == "error" and "KeyError: 'gone'" in failed["exception"]
+    assert "jid" not in failed and failed["odd"]["1"].startswith("<object")
+    assert warned["level"] == "warning"
