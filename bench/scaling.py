@@ -69,29 +69,39 @@ def rss_over(r, n: int) -> tuple[float, float]:
         stop_master(master)
 
 
+def measure(deep: int = 1_000_000, sets: int = 100_000, rss_jobs: int = 100_000) -> dict[str, float]:
+    """Processing rate with WINDOW, `deep` waiting, and `sets` entries in retry and
+    schedule; a child's RSS early and late over `rss_jobs` jobs."""
+    out: dict[str, float] = {}
+    with PrivateRedis() as r:
+        out["base"] = rate_over_window(r, WINDOW)
+        out["deep"] = rate_over_window(r, deep)
+        future = time.time() + 86_400
+        for key in ("retry", "schedule"):
+            pipe = r.client.pipeline(transaction=False)
+            for i in range(sets):
+                pipe.zadd(key, {f'{{"class":"bench.jobs.noop","args":[],"jid":"{i:024x}","queue":"bench"}}': future + i})
+            pipe.execute()
+        out["sets"] = rate_over_window(r, WINDOW)
+        r.client.delete("retry", "schedule")
+        out["rss_early_mb"], out["rss_late_mb"] = rss_over(r, rss_jobs)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--deep", type=int, default=1_000_000)
     p.add_argument("--sets", type=int, default=100_000)
     p.add_argument("--rss-jobs", type=int, default=100_000)
     a = p.parse_args()
-    with PrivateRedis() as r:
-        base = rate_over_window(r, WINDOW)
-        print(f"{WINDOW:,} waiting:                      {base:8,.0f} jobs/s")
-        deep = rate_over_window(r, a.deep)
-        print(f"{a.deep:,} waiting:                  {deep:8,.0f} jobs/s ({100 * (deep / base - 1):+.0f}%)")
-        future = time.time() + 86_400
-        for key in ("retry", "schedule"):
-            pipe = r.client.pipeline(transaction=False)
-            for i in range(a.sets):
-                pipe.zadd(key, {f'{{"class":"bench.jobs.noop","args":[],"jid":"{i:024x}","queue":"bench"}}': future + i})
-            pipe.execute()
-        sets = rate_over_window(r, WINDOW)
-        print(f"{WINDOW:,} waiting, {a.sets:,} in retry and schedule: {sets:8,.0f} jobs/s "
-              f"({100 * (sets / base - 1):+.0f}%)")
-        r.client.delete("retry", "schedule")
-        early, late = rss_over(r, a.rss_jobs)
-        print(f"child RSS after {a.rss_jobs // 10:,} jobs {early:.1f} MB, after {a.rss_jobs:,} jobs {late:.1f} MB")
+    f = measure(a.deep, a.sets, a.rss_jobs)
+    base = f["base"]
+    print(f"{WINDOW:,} waiting:                      {base:8,.0f} jobs/s")
+    print(f"{a.deep:,} waiting:                  {f['deep']:8,.0f} jobs/s ({100 * (f['deep'] / base - 1):+.0f}%)")
+    print(f"{WINDOW:,} waiting, {a.sets:,} in retry and schedule: {f['sets']:8,.0f} jobs/s "
+          f"({100 * (f['sets'] / base - 1):+.0f}%)")
+    print(f"child RSS after {a.rss_jobs // 10:,} jobs {f['rss_early_mb']:.1f} MB, "
+          f"after {a.rss_jobs:,} jobs {f['rss_late_mb']:.1f} MB")
 
 
 if __name__ == "__main__":

@@ -135,6 +135,26 @@ def _identity_of(client, pid: int) -> str:
     raise SystemExit(f"no owner entry for pid {pid}")
 
 
+def measure(jobs_n: int = 20_000, processes: int = 2, concurrency: int = 10,
+            recovery_rounds: int = 5) -> dict[str, float]:
+    """Every figure of this benchmark, on a private Redis."""
+    out: dict[str, float] = {}
+    with PrivateRedis() as r:
+        out["enqueue_many"], out["enqueue"] = bench_enqueue(r, jobs_n)
+        for level in ("warning", "info"):
+            r.client.flushall()
+            out[f"process_{level}"], out[f"commands_{level}"] = bench_process(
+                r, jobs_n, processes, concurrency, level)
+        r.client.flushall()
+        out["process_1"], _ = bench_process(r, jobs_n, 1, concurrency, "warning")
+        r.client.flushall()
+        times = bench_recovery(r, processes, concurrency, recovery_rounds)
+        out["recovery_median_ms"] = statistics.median(times) * 1000
+        out["recovery_worst_ms"] = max(times) * 1000
+        out["recovery_kills"] = len(times)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, default=20_000)
@@ -142,23 +162,17 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=10)
     p.add_argument("--recovery-rounds", type=int, default=5)
     a = p.parse_args()
-    with PrivateRedis() as r:
-        bulk, single = bench_enqueue(r, a.jobs)
-        print(f"enqueue_many:        {bulk:10,.0f} jobs/s  (batches of 1,000, {a.jobs:,} jobs, best of 3)")
-        print(f"enqueue (one by one): {single:9,.0f} jobs/s  (one thread, best of 3)")
-        for level in ("warning", "info"):
-            r.client.flushall()
-            rate, cpj = bench_process(r, a.jobs, a.processes, a.concurrency, level)
-            print(f"processing --log-level {level:7}: {rate:8,.0f} jobs/s, {cpj:.2f} Redis commands/job "
-                  f"({a.jobs:,} no-op jobs, --processes {a.processes} --concurrency {a.concurrency})")
-        r.client.flushall()
-        rate1, _ = bench_process(r, a.jobs, 1, a.concurrency, "warning")
-        print(f"processing --processes 1 (warning): {rate1:8,.0f} jobs/s")
-        r.client.flushall()
-        times = bench_recovery(r, a.processes, a.concurrency, a.recovery_rounds)
-        print(f"recovery after SIGKILL of a busy child ({a.concurrency} jobs in flight): "
-              f"median {statistics.median(times) * 1000:.1f} ms, worst {max(times) * 1000:.1f} ms "
-              f"over {len(times)} kills")
+    f = measure(a.jobs, a.processes, a.concurrency, a.recovery_rounds)
+    print(f"enqueue_many:        {f['enqueue_many']:10,.0f} jobs/s  (batches of 1,000, {a.jobs:,} jobs, best of 3)")
+    print(f"enqueue (one by one): {f['enqueue']:9,.0f} jobs/s  (one thread, best of 3)")
+    for level in ("warning", "info"):
+        print(f"processing --log-level {level:7}: {f['process_' + level]:8,.0f} jobs/s, "
+              f"{f['commands_' + level]:.2f} Redis commands/job "
+              f"({a.jobs:,} no-op jobs, --processes {a.processes} --concurrency {a.concurrency})")
+    print(f"processing --processes 1 (warning): {f['process_1']:8,.0f} jobs/s")
+    print(f"recovery after SIGKILL of a busy child ({a.concurrency} jobs in flight): "
+          f"median {f['recovery_median_ms']:.1f} ms, worst {f['recovery_worst_ms']:.1f} ms "
+          f"over {f['recovery_kills']:.0f} kills")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,111 @@
+"""Every benchmark scenario in one run, and one table of figures against issue 7's targets.
+
+    python -m bench           # the full run (about 5 minutes on 2 cores)
+    python -m bench --quick   # smaller counts, about 1.5 minutes: a smoke test of the figures
+
+Each scenario starts its own private redis-server on a free loopback port and its own
+forkq masters. Nothing here asserts: a figure that misses its target is marked, and the
+exit status stays 0, because a busy machine makes any figure worse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import latency, memory, scaling, throughput  # noqa: E402
+
+FULL = {"jobs": 20_000, "recovery_rounds": 5, "latency_jobs": 2000, "scheduled": 200,
+        "deep": 1_000_000, "sets": 100_000, "rss_jobs": 100_000, "memory_jobs": 10_000}
+QUICK = {"jobs": 5_000, "recovery_rounds": 3, "latency_jobs": 400, "scheduled": 50,
+         "deep": 200_000, "sets": 20_000, "rss_jobs": 20_000, "memory_jobs": 2_000}
+
+
+class Table:
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, str, str]] = []
+
+    def add(self, figure: str, value: str, target: str = "", met: bool | None = None) -> None:
+        mark = "" if met is None else ("yes" if met else "NO")
+        self.rows.append((figure, value, target, mark))
+        print(f"  {figure}: {value}", flush=True)  # progress while the run goes on
+
+    def render(self) -> str:
+        header = ("figure", "measured", "target", "met")
+        widths = [max(len(r[i]) for r in [header, *self.rows]) for i in range(4)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths)).rstrip(),
+                 "  ".join("-" * w for w in widths)]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in self.rows]
+        return "\n".join(lines)
+
+
+def _stage(name: str, run: Callable[[], dict]) -> dict:
+    print(f"{name} ...", flush=True)
+    started = time.monotonic()
+    figures = run()
+    print(f"{name}: {time.monotonic() - started:.0f} s", flush=True)
+    return figures
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="forkq's benchmarks: one table of figures")
+    p.add_argument("--quick", action="store_true", help="smaller counts, for a short run")
+    a = p.parse_args()
+    n = QUICK if a.quick else FULL
+    t = Table()
+
+    f = _stage("throughput", lambda: throughput.measure(n["jobs"], 2, 10, n["recovery_rounds"]))
+    t.add("enqueue_many (batches of 1,000)", f"{f['enqueue_many']:,.0f} jobs/s", ">= 150,000",
+          f["enqueue_many"] >= 150_000)
+    t.add("enqueue, one thread", f"{f['enqueue']:,.0f} jobs/s", ">= 10,000", f["enqueue"] >= 10_000)
+    t.add("processing, 2 x 10, --log-level warning", f"{f['process_warning']:,.0f} jobs/s",
+          ">= 20,000 (aim 30,000)", f["process_warning"] >= 20_000)
+    t.add("Redis commands per job (warning)", f"{f['commands_warning']:.2f}", "<= 0.6",
+          f["commands_warning"] <= 0.6)
+    t.add("processing, 2 x 10, info (2 lines/job)", f"{f['process_info']:,.0f} jobs/s", ">= 13,000",
+          f["process_info"] >= 13_000)
+    t.add("Redis commands per job (info)", f"{f['commands_info']:.2f}", "<= 0.6", f["commands_info"] <= 0.6)
+    t.add("processing, 1 x 10, warning", f"{f['process_1']:,.0f} jobs/s")
+    ratio = f["process_warning"] / f["process_1"]
+    t.add("--processes 2 over --processes 1", f"{ratio:.2f}x", ">= 1.5x", ratio >= 1.5)
+    t.add(f"recovery after SIGKILL, median of {f['recovery_kills']:.0f}",
+          f"{f['recovery_median_ms']:.1f} ms", "< 100 ms", f["recovery_median_ms"] < 100)
+    t.add("recovery after SIGKILL, worst", f"{f['recovery_worst_ms']:.1f} ms", "< 1,000 ms",
+          f["recovery_worst_ms"] < 1000)
+
+    f = _stage("latency", lambda: latency.measure(n["latency_jobs"], n["scheduled"], 2))
+    t.add("enqueue to start, idle workers, p50", f"{f['p50_ms']:.2f} ms", "< 1 ms", f["p50_ms"] < 1)
+    t.add("enqueue to start, idle workers, p99", f"{f['p99_ms']:.2f} ms", "< 5 ms", f["p99_ms"] < 5)
+    t.add("scheduled job start after its time, p99", f"{f['sched_p99_ms']:.0f} ms", "< 1,000 ms",
+          f["sched_p99_ms"] < 1000)
+
+    f = _stage("scaling", lambda: scaling.measure(n["deep"], n["sets"], n["rss_jobs"]))
+    deep = f["deep"] / f["base"] - 1
+    sets = f["sets"] / f["base"] - 1
+    t.add(f"{n['deep']:,} waiting vs {scaling.WINDOW:,}", f"{100 * deep:+.0f}%", "within 10%", deep >= -0.10)
+    t.add(f"{n['sets']:,} in retry and in schedule", f"{100 * sets:+.0f}%", "within 10%", sets >= -0.10)
+    growth = f["rss_late_mb"] - f["rss_early_mb"]
+    t.add(f"child RSS, {n['rss_jobs'] // 10:,} -> {n['rss_jobs']:,} jobs",
+          f"{f['rss_early_mb']:.1f} -> {f['rss_late_mb']:.1f} MB", "flat (< 2 MB growth)", growth < 2)
+
+    f = _stage("memory", lambda: memory.measure(n["memory_jobs"], 2))
+    t.add(f"child USS / master RSS, heavy app, {n['memory_jobs']:,} jobs",
+          f"{100 * f['worst_uss_share']:.0f}% of {f['master_rss'] / 1_048_576:.0f} MB", "< 25%",
+          f["worst_uss_share"] < 0.25)
+
+    print()
+    print(f"forkq benchmarks{' (--quick)' if a.quick else ''}: {os.cpu_count()} cores, "
+          f"{platform.python_implementation()} {platform.python_version()}, {platform.machine()}")
+    print(t.render())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
