@@ -99,6 +99,21 @@ def test_overview_chart_gets_data_points_and_shows_the_rate(chrome, web, r):
 
 
 @pytest.mark.timeout(60)
+def test_overview_queue_table_follows_redis_and_treats_names_as_text(chrome, web, r, redis_url):
+    from selenium.webdriver.common.by import By
+    import forkq
+    chrome.get(web.base + "/")
+    name = "<b>late</b>"
+    forkq.Client(redis_url).push("Anything", [1], queue=name)
+
+    def row_shown():
+        cells = [c.text for c in chrome.find_elements(By.CSS_SELECTOR, "#queue-rows td")]
+        return cells[:2] == [name, "1"]
+    wait_until(row_shown, timeout=15, interval=0.2, message="the new queue in the live table")
+    assert chrome.find_elements(By.CSS_SELECTOR, "#queue-rows b") == []
+
+
+@pytest.mark.timeout(60)
 def test_clicking_retry_on_the_dead_page_moves_the_job(chrome, web, r):
     from selenium.webdriver.common.by import By
     job = {"class": "HardJob", "args": [1], "jid": "b" * 24, "queue": "mail", "retry": True,

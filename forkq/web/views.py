@@ -38,12 +38,16 @@ def stats_json(dash: "Dashboard", req: Request) -> Response:
     """What the overview's chart polls: cumulative counters stamped with Redis-independent
     wall time; the page turns successive samples into per-second rates."""
     conn = dash.redis()
-    s = api.stats(conn, days=0)
+    s = api.stats(conn, days=1)
     busy = sum(p.busy for g in api.processes(conn) for p in g.processes)
+    _, today_processed, today_failed = s.history[0]
     return Response.json({"time": time.time(), "processed": s.processed, "failed": s.failed,
                           "enqueued": s.enqueued, "scheduled": s.scheduled,
                           "retries": s.retries, "dead": s.dead, "processes": s.processes,
-                          "busy": busy})
+                          "busy": busy, "today_processed": today_processed,
+                          "today_failed": today_failed,
+                          "queues": [{"name": q.name, "size": q.size, "latency": q.latency}
+                                     for q in api.queues(conn)]})
 
 
 def processes(dash: "Dashboard", req: Request) -> Response:

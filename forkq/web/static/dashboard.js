@@ -13,22 +13,55 @@ document.addEventListener("DOMContentLoaded", function () {
   var chart = new RateChart(canvas, [{ name: "processed", color: "#16a34a" },
                                      { name: "failed", color: "#dc2626" }]);
   var status = document.getElementById("rate-now");
-  var previous = null;
+  var samples = [];   // recent stats.json answers, oldest first
+  // Workers add to the counters in batches (each process flushes every few seconds), so a
+  // rate between two polls 2 s apart jumps between zero and a spike; a rate over the last
+  // WINDOW seconds reads like the real throughput.
+  var WINDOW = 10;
 
   function show(sample) {
     document.querySelectorAll("[data-stat]").forEach(function (el) {
       var value = sample[el.getAttribute("data-stat")];
       if (typeof value === "number") el.textContent = value.toLocaleString();
     });
-    if (previous && sample.time > previous.time) {
-      var dt = sample.time - previous.time;
-      // counters can go down (someone reset the stats): show zero, not a negative rate
-      var done = Math.max(0, sample.processed - previous.processed) / dt;
-      var failed = Math.max(0, sample.failed - previous.failed) / dt;
-      chart.push(sample.time, [done, failed]);
-      status.textContent = done.toFixed(1) + " processed/s, " + failed.toFixed(1) + " failed/s";
+    if (sample.queues) showQueues(sample.queues);
+    var last = samples[samples.length - 1];
+    if (last && sample.time <= last.time) return;
+    samples.push(sample);
+    while (samples.length > 2 && sample.time - samples[1].time >= WINDOW) samples.shift();
+    var first = samples[0], dt = sample.time - first.time;
+    if (dt < 3.5) return;  // one poll apart is too short a span to say anything
+    // counters can go down (someone reset the stats): show zero, not a negative rate
+    var done = Math.max(0, sample.processed - first.processed) / dt;
+    var failed = Math.max(0, sample.failed - first.failed) / dt;
+    chart.push(sample.time, [done, failed]);
+    status.textContent = done.toFixed(1) + " processed/s, " + failed.toFixed(1) + " failed/s" +
+      " (over the last " + Math.round(dt) + " s)";
+  }
+
+  // the queue table, rebuilt from text nodes only: queue names come from Redis
+  function showQueues(queues) {
+    var body = document.getElementById("queue-rows");
+    if (!body) return;
+    var rows = queues.map(function (q) {
+      var tr = document.createElement("tr");
+      [q.name, q.size.toLocaleString(), age(q.latency)].forEach(function (text, i) {
+        var td = document.createElement("td");
+        if (i > 0) td.className = "num";
+        td.textContent = text;
+        tr.appendChild(td);
+      });
+      return tr;
+    });
+    body.replaceChildren.apply(body, rows);
+  }
+
+  function age(seconds) {
+    var units = [["d", 86400], ["h", 3600], ["m", 60]];
+    for (var i = 0; i < units.length; i++) {
+      if (seconds >= units[i][1]) return (seconds / units[i][1]).toFixed(1) + units[i][0];
     }
-    previous = sample;
+    return seconds.toFixed(1) + "s";
   }
 
   function poll() {
