@@ -294,7 +294,7 @@ def test_password_means_basic_auth_on_every_page(redis_url, r):
     fill(r, "dead", [dead_job(1)])
     with WebServer(redis_url, "--bind", "0.0.0.0", env={"FORKQ_WEB_PASSWORD": "s3cret"}) as web:
         anon = Client(web.base)
-        for path in ("/", "/dead", "/stats.json"):
+        for path in ("/", "/dead", "/stats.json", "/no-such-page"):
             page = anon.get(path)
             assert page.status == 401 and page.headers["WWW-Authenticate"].startswith("Basic")
         assert anon.post("/dead/action", {"bulk": "delete-all"}, csrf="x").status == 401
@@ -353,7 +353,8 @@ from forkq.web import make_app, mount
 def site(environ, start_response):
     start_response("200 OK", [("Content-Type", "text/plain")])
     return [b"the host site"]
-waitress.serve(mount(site, "/admin/jobs", make_app(sys.argv[1])), host="127.0.0.1",
+dashboard = make_app(sys.argv[1], authorize=lambda environ: environ.get("HTTP_X_ADMIN") == "yes")
+waitress.serve(mount(site, "/admin/jobs", dashboard), host="127.0.0.1",
                port=int(sys.argv[2]), _quiet=True)
 """
 
@@ -365,11 +366,15 @@ def test_mount_serves_the_dashboard_inside_another_wsgi_app(redis_url, r):
     server.cmd = [sys.executable, "-c", MOUNTED, redis_url, str(server.port)]
     with server as web:
         browser = Client(web.base)
-        page = browser.get("/retries")
+        admin = {"X-Admin": "yes"}  # what the host site's own login check looks at
+        assert browser.get("/retries").status == 403  # authorize() said no
+        page = browser.get("/retries", headers=admin)
         links = _links(page.text)
         assert all(link.startswith("/admin/jobs/") for link in links), links
         assert jids_on(page) == [dead_job(1)["jid"]]
-        browser.post("/retries/action", {"bulk": "kill-all"}, csrf=page.csrf)
+        assert browser.post("/retries/action", {"bulk": "kill-all"}, csrf=page.csrf).status == 403
+        assert r.zcard("retry") == 1
+        browser.post("/retries/action", {"bulk": "kill-all"}, csrf=page.csrf, headers=admin)
         assert r.zcard("dead") == 1
         outer = Client(f"http://127.0.0.1:{web.port}")
         assert outer.get("/elsewhere").text == "the host site"

@@ -31,7 +31,8 @@ WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 def make_app(redis_url: str | None = None, *, password: str | None = None,
              token: str | None = None, secret: str | None = None,
-             page_size: int = 25) -> "Dashboard":
+             page_size: int = 25,
+             authorize: Callable[[dict[str, Any]], bool] | None = None) -> "Dashboard":
     """The dashboard as a WSGI callable.
 
     redis_url: FORKQ_REDIS_URL (then redis://127.0.0.1:6379/0) when not given.
@@ -39,11 +40,14 @@ def make_app(redis_url: str | None = None, *, password: str | None = None,
     token: require `Authorization: Bearer TOKEN`, or a login with it in the browser.
     secret: signs the CSRF and login cookies; give the same one to every process of a
         multi-process server when there is no password or token (they derive it otherwise).
+    authorize: a check of your own site's login, called with the WSGI environ of every
+        request (static files aside); False answers 403. E.g. in Django, with the session
+        middleware's user in the environ, or a signed cookie your site sets.
     Links and form actions start at the WSGI SCRIPT_NAME, so it works under any prefix.
     """
     from .app import Dashboard
     return Dashboard(redis_url, password=password, token=token, secret=secret,
-                     page_size=page_size)
+                     page_size=page_size, authorize=authorize)
 
 
 def mount(outer: WSGIApp, prefix: str, dashboard: WSGIApp) -> WSGIApp:

@@ -66,11 +66,13 @@ class Dashboard:
 
     def __init__(self, redis_url: str | None = None, *, password: str | None = None,
                  token: str | None = None, secret: str | None = None, page_size: int = 25,
-                 connection: redis.Redis | None = None) -> None:
+                 connection: redis.Redis | None = None,
+                 authorize: Callable[[dict[str, Any]], bool] | None = None) -> None:
         self.redis_url = client.redis_url(redis_url)
         client.connect(self.redis_url)  # a bad URL fails here, at startup, not per request
         self.guard = security.Guard(password, token, secret)
         self.page_size = page_size
+        self.authorize = authorize
         self._given = connection
         self._conn: tuple[int, redis.Redis] | None = None
         self._lock = threading.Lock()
@@ -125,14 +127,17 @@ class Dashboard:
         if req.path.startswith("/static/") and req.method in ("GET", "HEAD"):
             return self.static(req.path[len("/static/"):])
         method = "GET" if req.method == "HEAD" else req.method
-        route = self.routes.get((method, req.path.rstrip("/") or "/"))
+        path = req.path.rstrip("/") or "/"
+        if self.authorize is not None and not self.authorize(req.environ):
+            return Response.text("forbidden\n", "403 Forbidden")
+        # before anything else, even a 404: an outsider learns nothing, not even the Redis host
+        if path != "/login" and not self.guard.authenticated(req.environ):
+            return self.unauthorized(req)
+        route = self.routes.get((method, path))
         if route is None:
-            if any(p == (req.path.rstrip("/") or "/") for _, p in self.routes):
+            if any(p == path for _, p in self.routes):
                 return Response.text("method not allowed\n", "405 Method Not Allowed")
             return self.render(req, "error.html", status="404 Not Found", message="no such page")
-        public = req.path in ("/login",)
-        if not public and not self.guard.authenticated(req.environ):
-            return self.unauthorized(req)
         if method == "POST" and not self.guard.csrf_ok(req.environ, req.field("csrf")):
             # nothing has been read from Redis or changed yet
             return self.render(req, "error.html", status="403 Forbidden",
