@@ -101,6 +101,7 @@ def test_pages_show_jobs_ruby_sidekiq_pushed(sidekiq_ruby, browser, redis_url, r
     scheduled = browser.get("/scheduled")
     assert jids_on(scheduled) == [later]
     assert "InteropJob" in scheduled.text and "rubyq" in scheduled.text
+    assert ">Run now</button>" in scheduled.text and ">Retry</button>" not in scheduled.text
     found = browser.get(f"/search?q={later}")
     assert later in found.text and jid not in found.text
 

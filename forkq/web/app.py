@@ -81,7 +81,7 @@ class Dashboard:
                                       autoescape=True, undefined=jinja2.StrictUndefined,
                                       trim_blocks=True, lstrip_blocks=True)
         self.env.filters.update(age=_age, short=_short, utc=_utc, job_json=views.job_json)
-        self.env.globals.update(when=_when)
+        self.env.globals.update(when=_when, label=views.label)
         self.routes: dict[tuple[str, str], Callable[[Request], Response]] = {
             ("GET", "/"): lambda r: views.overview(self, r),
             ("GET", "/stats.json"): lambda r: views.stats_json(self, r),

@@ -24,6 +24,15 @@ SETS = {"retries": (keys.RETRY, "Retries", False),
 # what the buttons of each set may do (dead jobs cannot be killed again)
 SET_ACTIONS = {"retries": ("retry", "delete", "kill"), "scheduled": ("retry", "delete", "kill"),
                "dead": ("retry", "delete")}
+
+
+def label(slug: str, action: str) -> str:
+    """A button's words: a scheduled job has not failed, so it is run now, not retried."""
+    if action == "retry":
+        return "Run now" if slug == "scheduled" else "Retry"
+    return action.capitalize()
+
+
 SEARCH_LIMIT = 50  # per set: a search scans pages until it has this many hits
 
 
