@@ -36,7 +36,8 @@ log = logs.get("forkq.metrics")
 # millisecond to minutes, so the client library's web-request defaults stop too early.
 BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 NB = len(BOUNDS) + 1             # the last bucket is +Inf
-ROW = 3 + NB                     # processed, failed, sum of seconds, then one count per bucket
+# A row: failed, sum of seconds, then one count per bucket. Processed is the sum of the
+# buckets (one fewer addition per job), so it always equals the histogram's count.
 PREFIX = b"M"
 # A write of at most PIPE_BUF (4096 on Linux) bytes to a pipe is atomic: a metrics line
 # can never be cut by, or cut into, a "T"/"Q" line another thread writes to the same pipe.
@@ -58,28 +59,28 @@ HTTP_MAX_CONNECTIONS = 16
 
 class JobTable:
     """Counts of one processor thread, written only by that thread (hence no lock):
-    (class, queue) -> [processed, failed, seconds, bucket counts...]."""
+    (class, queue) -> [failed, seconds, bucket counts...]."""
 
     __slots__ = ("rows",)
 
     def __init__(self) -> None:
         self.rows: dict[tuple[str, str], list[Any]] = {}
 
-    def observe(self, klass: str, queue: str, seconds: float, failed: bool) -> None:
+    def observe(self, klass: str, queue: str, seconds: float, failed: bool,
+                _bisect: Any = bisect_left, _bounds: tuple[float, ...] = BOUNDS) -> None:
         row = self.rows.get((klass, queue))
         if row is None:
             row = self._new_row(klass, queue)
-        row[0] += 1
+        row[2 + _bisect(_bounds, seconds)] += 1
+        row[1] += seconds
         if failed:
-            row[1] += 1
-        row[2] += seconds
-        row[3 + bisect_left(BOUNDS, seconds)] += 1
+            row[0] += 1
 
     def _new_row(self, klass: str, queue: str) -> list[Any]:
         key = (klass, queue) if len(self.rows) < CHILD_KEYS else (OTHER, queue)
         row = self.rows.get(key)
         if row is None:
-            row = [0, 0, 0.0] + [0] * NB
+            row = [0, 0.0] + [0] * NB
             # one dict store: the reporter thread copies the dict, never sees it half-built
             self.rows[key] = row
         return row
@@ -106,7 +107,7 @@ class DeltaReporter:
         for key, now in totals.items():
             before = self.sent.get(key)
             delta = now if before is None else [a - b for a, b in zip(now, before)]
-            if delta[0] or any(delta[3:]):
+            if any(delta):  # a failure or seconds read apart from their bucket count too
                 out.append((key, now, delta))
         return out
 
@@ -133,7 +134,7 @@ def _lines(rows: list[tuple[tuple[str, str], list[Any], list[Any]]]) -> Iterator
     size = 0
     for item in rows:
         (klass, queue), _, d = item
-        part = json.dumps([klass[:MAX_LABEL], queue[:MAX_LABEL], d[0], d[1], round(d[2], 6), d[3:]],
+        part = json.dumps([klass[:MAX_LABEL], queue[:MAX_LABEL], d[0], round(d[1], 6), d[2:]],
                           separators=(",", ":"), ensure_ascii=True).encode()
         if parts and size + len(part) + 1 > MAX_LINE - 4:
             yield chunk, _line(parts)
@@ -183,19 +184,18 @@ class Aggregates:
                     key = (OTHER, key[1])
                     have = self.jobs.get(key)
                 if have is None:
-                    have = self.jobs[key] = [0, 0, 0.0] + [0] * NB
+                    have = self.jobs[key] = [0, 0.0] + [0] * NB
             for i, v in enumerate(values):
                 have[i] += v
 
 
 def _row(raw: Any) -> tuple[tuple[str, str], list[Any]]:
-    klass, queue, processed, failed, seconds, buckets = raw
-    numbers = [processed, failed, *buckets]
-    if (not isinstance(klass, str) or not isinstance(queue, str) or len(buckets) != NB
-            or not all(type(n) is int and n >= 0 for n in numbers)
+    klass, queue, failed, seconds, buckets = raw
+    if (not isinstance(klass, str) or not isinstance(queue, str) or not isinstance(buckets, list)
+            or len(buckets) != NB or not all(type(n) is int and n >= 0 for n in [failed, *buckets])
             or type(seconds) not in (int, float) or not seconds >= 0):
         raise ValueError("not a metrics row")
-    return (klass, queue), [processed, failed, float(seconds), *buckets]
+    return (klass, queue), [failed, float(seconds), *buckets]
 
 
 # -- master side: what a scrape shows ---------------------------------------------------
@@ -256,13 +256,13 @@ class Collector:
                                          "Time from a job's start until its outcome was recorded",
                                          labels=["class", "queue"])
         for (klass, queue), row in jobs:
-            processed.add_metric([klass, queue], row[0])
-            failed.add_metric([klass, queue], row[1])
             cumulative, buckets = 0, []
-            for bound, count in zip((*map(_le, BOUNDS), "+Inf"), row[3:]):
+            for bound, count in zip((*map(_le, BOUNDS), "+Inf"), row[2:]):
                 cumulative += count
                 buckets.append((bound, cumulative))
-            duration.add_metric([klass, queue], buckets, row[2])
+            processed.add_metric([klass, queue], cumulative)
+            failed.add_metric([klass, queue], row[0])
+            duration.add_metric([klass, queue], buckets, row[1])
         yield processed
         yield failed
         yield duration

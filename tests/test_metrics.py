@@ -366,15 +366,15 @@ def test_deltas_add_up_and_every_line_fits_an_atomic_pipe_write():
         for line in lines:
             assert line.startswith(b"M")
             agg.add(line[1:])
-        assert sum(row[0] for row in agg.jobs.values()) == 300
-        assert sum(row[1] for row in agg.jobs.values()) == 60
-        assert all(sum(row[3:]) == row[0] for row in agg.jobs.values())
+        assert sum(sum(row[2:]) for row in agg.jobs.values()) == 300  # processed
+        assert sum(row[0] for row in agg.jobs.values()) == 60  # failed
+        assert len(agg.jobs) == 150
         # nothing new: nothing sent; then only what moved
         assert reporter.send(w) == 0
         tables[0].observe("Klass0" + "x" * 40, "q", 7.0, failed=True)
         assert reporter.send(w) == 1
         (line,) = os.read(r, 65536).split(b"\n")[:-1]
-        assert json.loads(line[1:]) == [["Klass0" + "x" * 40, "q", 1, 1, 7.0,
+        assert json.loads(line[1:]) == [["Klass0" + "x" * 40, "q", 1, 7.0,
                                          [0] * 10 + [1] + [0] * 4]]
     finally:
         os.close(r)
@@ -408,10 +408,13 @@ def test_a_full_pipe_keeps_the_deltas_for_later_instead_of_blocking():
 @pytest.mark.timeout(10)
 def test_garbage_lines_are_counted_not_added():
     agg = metrics.Aggregates()
-    for bad in (b"not json", b"{}", b'[["A","q",-1,0,0.0,[]]]', b'[["A","q",1,0,"x",' + b"[0]" + b"]]",
-                b'[["A","q",1,0,NaN,[1,0,0,0,0,0,0,0,0,0,0,0,0,0,0]]]'):
+    ones = b"[1,0,0,0,0,0,0,0,0,0,0,0,0,0,0]"
+    for bad in (b"not json", b"{}", b'[["A","q",-1,0.0,' + ones + b"]]", b'[["A","q",0,"x",' + ones + b"]]",
+                b'[["A","q",0,NaN,' + ones + b"]]", b'[["A","q",0,0.0,[1,0]]]', b'[["A","q",0,0.0,"abcdefghijklmno"]]'):
         agg.add(bad)
-    assert agg.rejected == 5 and agg.jobs == {}
+    assert agg.rejected == 7 and agg.jobs == {}
+    agg.add(b'[["A","q",0,0.5,' + ones + b"]]")
+    assert agg.rejected == 7 and agg.jobs == {("A", "q"): [0, 0.5, 1] + [0] * 14}
 
 
 @pytest.mark.timeout(10)
@@ -420,7 +423,7 @@ def test_made_up_class_names_cannot_grow_memory_without_bound():
     for i in range(metrics.CHILD_KEYS + 100):
         table.observe(f"Junk{i}", "q", 0.0, failed=True)
     assert len(table.rows) == metrics.CHILD_KEYS + 1
-    assert table.rows[(metrics.OTHER, "q")][0] == 100
+    assert table.rows[(metrics.OTHER, "q")][0] == 100  # all failed
 
 
 # -- the Kubernetes manifest -----------------------------------------------------------------------
