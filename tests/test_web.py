@@ -22,8 +22,6 @@ from helpers import wait_until
 from test_ctl import start_master  # noqa: F401  (a fixture)
 from webkit import Client, WebServer, run_forkq
 
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
 
 @pytest.fixture(scope="module")
 def web(redis_server):
