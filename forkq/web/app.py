@@ -5,9 +5,11 @@ are hostile input), static files, and the headers on every answer."""
 from __future__ import annotations
 
 import base64
+import json
 import mimetypes
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 import jinja2
 import redis
 
-from .. import api, client
+from .. import api, client, payload
 from . import security, views
 from .http import BadRequest, Request, Response
 
@@ -37,25 +39,21 @@ def _age(seconds: float | None) -> str:
 
 
 def _when(stamp: Any, now: float) -> str:
-    """A Sidekiq stamp (seconds, or Sidekiq 8 milliseconds) as "3.0m ago" / "in 2.0h"."""
-    from ..payload import seconds
-    value = seconds(stamp) if not isinstance(stamp, float) else stamp
+    """A Sidekiq stamp (float seconds, or Sidekiq 8 integer milliseconds) as "3.0m ago" or
+    "in 2.0h"."""
+    value = payload.seconds(stamp)
     if value is None:
         return "-"
     return f"in {_age(value - now)}" if value > now else f"{_age(now - value)} ago"
 
 
 def _utc(stamp: Any) -> str:
-    import time
-    from ..payload import seconds
-    value = seconds(stamp) if not isinstance(stamp, float) else stamp
-    if value is None:
-        return ""
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(value))
+    value = payload.seconds(stamp)
+    return "" if value is None else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(value))
 
 
 def _short(value: Any, limit: int = 120) -> str:
-    import json
+    """One line of a job's args or error for a table cell; the whole payload is a click away."""
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
