@@ -171,7 +171,8 @@ class Dashboard:
 
     def _set_cookie(self, req: Request, name: str, value: str, max_age: int | None = None) -> None:
         cookies = getattr(req, "set_cookies", [])
-        cookies.append(security.cookie_header(name, value, req.root + "/", max_age))
+        secure = req.environ.get("wsgi.url_scheme") == "https"
+        cookies.append(security.cookie_header(name, value, req.root + "/", max_age, secure))
         req.set_cookies = cookies  # type: ignore[attr-defined]
 
     def flash(self, req: Request, message: str) -> None:

@@ -85,8 +85,11 @@ def cookies(environ: dict[str, Any]) -> dict[str, str]:
     return {k: m.value for k, m in jar.items()}
 
 
-def cookie_header(name: str, value: str, path: str, max_age: int | None = None) -> tuple[str, str]:
+def cookie_header(name: str, value: str, path: str, max_age: int | None = None,
+                  secure: bool = False) -> tuple[str, str]:
     parts = [f"{name}={value}", f"Path={path or '/'}", "HttpOnly", "SameSite=Strict"]
+    if secure:  # served over HTTPS: never send it back over plain HTTP
+        parts.append("Secure")
     if max_age is not None:
         parts.append(f"Max-Age={max_age}")
     return ("Set-Cookie", "; ".join(parts))
