@@ -194,6 +194,16 @@ def test_a_sigkilled_child_counts_as_a_crash_restart_and_counters_never_go_down(
     assert value(final, "forkq_jobs_failed_total", **{"class": "metrics.boom", "queue": "default"}) == 5
 
 
+@pytest.mark.timeout(60)
+def test_memory_recycles_are_counted_by_reason(start_master, redis_url):
+    port = free_port()
+    # every child is over 1 MB: the master recycles them, one at a time, for ever
+    m = metered(start_master, port, processes=2, concurrency=1, args=["--max-memory", "1"])
+    s = wait_until(lambda: (s := scrape(port)) and value(s, "forkq_child_restarts_total", reason="memory") >= 2
+                   and s, timeout=30, interval=0.1, message=f"two memory recycles counted\n{m.tail()}")
+    assert value(s, "forkq_child_restarts_total", reason="crash") == 0
+
+
 @pytest.mark.timeout(90)
 def test_a_frozen_redis_does_not_hold_up_the_scrape(own_redis, tmp_path):
     port = free_port()
