@@ -289,6 +289,16 @@ def test_non_loopback_bind_refuses_without_a_password_or_token(redis_url):
 
 
 @pytest.mark.timeout(40)
+def test_a_taken_port_is_one_line_and_term_stops_cleanly(redis_url):
+    with WebServer(redis_url) as web:
+        out = run_forkq("web", "--port", str(web.port), "--redis-url", redis_url)
+        assert out.returncode == 1 and out.stdout == ""
+        assert out.stderr.strip().splitlines() == [f"forkq: cannot listen on 127.0.0.1:{web.port}: "
+                                                   "Address already in use"]
+        assert web.stop() == 0
+
+
+@pytest.mark.timeout(40)
 def test_password_means_basic_auth_on_every_page(redis_url, r):
     fill(r, "dead", [dead_job(1)])
     with WebServer(redis_url, "--bind", "0.0.0.0", env={"FORKQ_WEB_PASSWORD": "s3cret"}) as web:

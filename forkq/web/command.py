@@ -77,17 +77,20 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"forkq: {exc}\n")
         return 2
     host = f"[{args.bind}]" if ":" in args.bind else args.bind
-    print(f"forkq web: http://{host}:{args.port}{prefix}/ (Redis {client.mask_url(app.redis_url)}"
-          f"{', password' if password else ''}{', token' if token else ''})", flush=True)
     import signal
     # TERM (systemd, docker, a test) is a normal way to stop: exit 0 like Ctrl-C
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        waitress.serve(app, host=args.bind, port=args.port, threads=args.threads,
-                       url_prefix=prefix, ident="forkq", _quiet=True)
+        server = waitress.create_server(app, host=args.bind, port=args.port, threads=args.threads,
+                                        url_prefix=prefix, ident="forkq")
     except OSError as exc:
         sys.stderr.write(f"forkq: cannot listen on {host}:{args.port}: {exc.strerror or exc}\n")
         return 1
+    # only now, when the socket is ours, say where to look
+    print(f"forkq web: http://{host}:{args.port}{prefix}/ (Redis {client.mask_url(app.redis_url)}"
+          f"{', password' if password else ''}{', token' if token else ''})", flush=True)
+    try:
+        server.run()
     except KeyboardInterrupt:
         pass
     return 0
