@@ -104,6 +104,30 @@ def test_pages_show_jobs_ruby_sidekiq_pushed(sidekiq_ruby, browser, redis_url, r
     assert later in found.text and jid not in found.text
 
 
+@pytest.mark.timeout(90)
+def test_a_job_ruby_sidekiq_failed_is_shown_and_killed_and_its_process_quieted(
+        sidekiq_ruby, browser, redis_url, r, tmp_path):
+    hostile = "<script>alert(1)</script>"
+    with sidekiq_ruby.server(redis_url, log_path=tmp_path / "sidekiq.log") as sidekiq:
+        jid = sidekiq_ruby.push(redis_url, "FailingJob", [hostile])
+        wait_until(lambda: r.zcard("retry") == 1, timeout=30, message=f"Sidekiq's retry entry\n{sidekiq.log_tail()}")
+        page = browser.get("/retries")
+        assert jids_on(page) == [jid]
+        assert "ArgumentError" in page.text and "FailingJob always fails" in page.text
+        assert hostile not in page.text
+        kill = re.search(r'name="do" value="(kill\|[^"]+)"', page.text).group(1)
+        browser.post("/retries/action", {"do": kill}, csrf=page.csrf)
+        assert r.zcard("retry") == 0 and jid.encode() in r.zrange("dead", 0, -1)[0]
+
+        identity = re.search(r'<tr data-identity="([^"]+)"', browser.get("/processes").text).group(1)
+        assert f":{sidekiq.proc.pid}:" in identity
+        browser.post("/processes/signal", {"do": f"quiet|identity|{identity}"})
+        # Ruby Sidekiq reads its -signals list at its next heartbeat and says it is quiet
+        wait_until(lambda: r.hget(identity, "quiet") == b"true", timeout=30, interval=0.1,
+                   message=f"Sidekiq quiet\n{sidekiq.log_tail()}")
+        assert '<span class="tag quiet">quiet</span>' in browser.get("/processes").text
+
+
 @pytest.mark.timeout(60)
 def test_processes_page_groups_a_real_masters_children(browser, r, redis_url, start_master):
     m = start_master(processes=2)
@@ -248,6 +272,14 @@ def test_quiet_and_stop_land_on_the_signals_lists(browser, r, redis_url):
 
 
 # -- security: escaping, headers, auth, bind ------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_only_loopback_addresses_count_as_loopback():
+    from forkq.web.security import is_loopback
+    assert all(map(is_loopback, ["127.0.0.1", "127.8.9.10", "::1", "[::1]", "localhost"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "::", "10.0.0.1", "192.0.2.1", "example.com",
+                                     "localhost.example.com", "127.0.0.1.nip.io", ""]))
 
 
 HOSTILE = '<script>alert("x")</script><img src=x onerror=alert(1)>'
