@@ -19,7 +19,7 @@ import redis
 
 from .. import api, client, payload
 from . import security, views
-from .http import BadRequest, Request, Response
+from .wsgi import BadRequest, Request, Response
 
 HERE = Path(__file__).resolve().parent
 STATIC = HERE / "static"

@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .. import api, control, keys
-from .http import BadRequest, Request, Response
+from .wsgi import BadRequest, Request, Response
 
 if TYPE_CHECKING:
     from .app import Dashboard
