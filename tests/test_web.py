@@ -429,3 +429,11 @@ def test_redis_down_is_a_readable_503(redis_url, own_redis):
         page = Client(web.base).get("/dead")
         assert page.status == 503 and "cannot reach Redis" in page.text
         assert "Traceback" not in page.text
+
+
+@pytest.mark.timeout(30)
+def test_a_key_of_the_wrong_type_is_a_readable_500(browser, r, redis_url):
+    r.set("dead", "not a sorted set")
+    page = browser.get("/dead")
+    assert page.status == 500 and "Redis answered: WRONGTYPE" in page.text
+    assert browser.get("/retries").status == 200

@@ -64,14 +64,12 @@ class Dashboard:
 
     def __init__(self, redis_url: str | None = None, *, password: str | None = None,
                  token: str | None = None, secret: str | None = None, page_size: int = 25,
-                 connection: redis.Redis | None = None,
                  authorize: Callable[[dict[str, Any]], bool] | None = None) -> None:
         self.redis_url = client.redis_url(redis_url)
         client.connect(self.redis_url)  # a bad URL fails here, at startup, not per request
         self.guard = security.Guard(password, token, secret)
         self.page_size = page_size
         self.authorize = authorize
-        self._given = connection
         self._conn: tuple[int, redis.Redis] | None = None
         self._lock = threading.Lock()
         self._static = {p.name: p for p in STATIC.iterdir() if p.is_file()}
@@ -98,8 +96,6 @@ class Dashboard:
     # -- plumbing -------------------------------------------------------------------
 
     def redis(self) -> redis.Redis:
-        if self._given is not None:
-            return self._given
         with self._lock:
             if self._conn is None or self._conn[0] != os.getpid():
                 self._conn = (os.getpid(), api.connect(self.redis_url))
@@ -114,9 +110,12 @@ class Dashboard:
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             resp = self.render(req, "error.html", status="503 Service Unavailable",
                                message=f"cannot reach Redis at {client.mask_url(self.redis_url)}: {exc}")
+        except redis.RedisError as exc:  # e.g. WRONGTYPE: a key that is not what Sidekiq writes
+            resp = self.render(req, "error.html", status="500 Internal Server Error",
+                               message=f"Redis answered: {exc}")
         headers = list(security.BASE_HEADERS) + [("Content-Type", resp.content_type),
                                                   ("Cache-Control", resp.cache)]
-        headers += resp.headers + getattr(req, "set_cookies", [])
+        headers += resp.headers + req.set_cookies
         headers.append(("Content-Length", str(len(resp.body))))
         start_response(resp.status, headers)
         return [resp.body if req.method != "HEAD" else b""]
@@ -161,19 +160,17 @@ class Dashboard:
 
     def csrf_token(self, req: Request) -> str:
         """The request's CSRF cookie if it is one of ours, else a new one (set on the way out)."""
-        if not hasattr(req, "csrf"):
+        if req.csrf is None:
             current = security.cookies(req.environ).get(security.CSRF_COOKIE)
-            if not security.valid_csrf(self.guard.key, current):
+            if not current or not security.valid_csrf(self.guard.key, current):
                 current = security.new_csrf(self.guard.key)
                 self._set_cookie(req, security.CSRF_COOKIE, current)
-            req.csrf = current  # type: ignore[attr-defined]
-        return req.csrf  # type: ignore[attr-defined]
+            req.csrf = current
+        return req.csrf
 
     def _set_cookie(self, req: Request, name: str, value: str, max_age: int | None = None) -> None:
-        cookies = getattr(req, "set_cookies", [])
         secure = req.environ.get("wsgi.url_scheme") == "https"
-        cookies.append(security.cookie_header(name, value, req.root + "/", max_age, secure))
-        req.set_cookies = cookies  # type: ignore[attr-defined]
+        req.set_cookies.append(security.cookie_header(name, value, req.root + "/", max_age, secure))
 
     def flash(self, req: Request, message: str) -> None:
         """A one-line result shown on the next page (carried in a cookie, so a crafted URL

@@ -30,6 +30,8 @@ class Request:
         self.root = environ.get("SCRIPT_NAME", "").rstrip("/")
         self.query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
         self._form: dict[str, list[str]] | None = None
+        self.csrf: str | None = None  # this request's CSRF token, once a page needed one
+        self.set_cookies: list[tuple[str, str]] = []  # Set-Cookie headers for the answer
 
     def arg(self, name: str, default: str = "") -> str:
         values = self.query.get(name)
