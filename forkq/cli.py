@@ -305,7 +305,11 @@ def start(settings: Settings) -> int:
     warn_about_redis(settings)
     if settings.no_fork:
         from .worker import run_standalone
-        return run_standalone(settings)
+        logs.configure(settings.log_level, settings.log_format, buffered=True)
+        try:
+            return run_standalone(settings)
+        finally:
+            logs.flush()
     from .control import pidfile
     from .supervisor import Supervisor
     try:

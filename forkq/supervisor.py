@@ -382,6 +382,7 @@ class Supervisor:
             self._redis.connection_pool.disconnect()  # no socket crosses the fork
         inherited = [fd for c in self.children.values() for fd in (c.control_w, c.report_r)]
         inherited += [self._sig_r, self._sig_w, control_w, report_r]
+        _flush_output()  # a line still in a buffer would be written by both processes
         pid = os.fork()
         if pid == 0:
             code = 1
@@ -392,6 +393,7 @@ class Supervisor:
                 traceback.print_exc()
                 _report_fatal(report_w, exc)
             finally:
+                _flush_output()
                 os._exit(code)
         os.close(control_r)
         os.close(report_w)
@@ -424,7 +426,7 @@ class Supervisor:
         os.environ["FORKQ_INDEX"] = str(index)
         systemd.drop_environment()  # only the master speaks to systemd
         s = self.settings
-        logs.configure(s.log_level, s.log_format, slot=index)
+        logs.configure(s.log_level, s.log_format, slot=index, buffered=True)
         setproctitle.setproctitle(f"forkq child {index} {self.app} [0 of {s.concurrency} busy]")
         for fn in hooks.ON_FORK:
             try:
@@ -561,3 +563,12 @@ def _kill(pid: int) -> None:
 
 def _noop(signum: int, frame: object) -> None:
     """The wakeup fd carries the signal to the loop; handlers do nothing themselves."""
+
+
+def _flush_output() -> None:
+    try:
+        logs.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass

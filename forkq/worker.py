@@ -174,6 +174,7 @@ class Worker:
         log.info("worker stopped", requeued=requeued)
         if self.manager.hard_stopped:
             # threads still inside job code must not outlive the stop or write outcomes
+            logs.flush()
             sys.stdout.flush()
             os._exit(0)
         return 0

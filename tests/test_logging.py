@@ -110,3 +110,37 @@ def test_json_lines_carry_level_time_process_job_and_exception():
     assert failed["level"] == "error" and "KeyError: 'gone'" in failed["exception"]
     assert "jid" not in failed and failed["odd"]["1"].startswith("<object")
     assert warned["level"] == "warning"
+
+
+@pytest.mark.timeout(10)
+def test_buffered_lines_are_batched_flushed_soon_and_warnings_at_once():
+    import io
+    from forkq import logs
+
+    class Counting(io.StringIO):
+        writes = 0
+
+        def write(self, text):
+            Counting.writes += 1
+            return super().write(text)
+
+        def isatty(self):
+            return False
+
+    out = Counting()
+    early = logs.get("forkq.early")
+    early.info("before")  # cached by structlog now, as a master's logger is before fork
+    try:
+        logs.configure("info", "json", stream=out, buffered=True)
+        for i in range(100):
+            early.info("line", i=i)
+        assert Counting.writes <= 1  # at most one batch so far, not a write per line
+        wait_until(lambda: out.getvalue().count("\n") == 100, timeout=2,
+                   message="the flusher wrote the buffered lines")
+        assert Counting.writes <= 2
+        early.info("queued")
+        early.warning("urgent")
+        events = [json.loads(x)["event"] for x in out.getvalue().splitlines()]
+        assert events[-2:] == ["queued", "urgent"]  # a warning goes out at once, in order
+    finally:
+        logs.configure("info", "json")
