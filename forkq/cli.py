@@ -78,14 +78,16 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def _positive_int(name: str):
+def whole_number(name: str, low: int = 1, high: int | None = None):
+    """An argparse type: an int in [low, high], or one readable line naming the flag."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a whole number, not {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be at least 1, not {value}")
+        if value < low or (high is not None and value > high):
+            limit = f"at least {low}" if high is None else f"between {low} and {high}"
+            raise argparse.ArgumentTypeError(f"{name} must be {limit}, not {value}")
         return value
     return parse
 
@@ -102,7 +104,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     common.add_argument("--redis-url", default=None, help="Redis URL [env FORKQ_REDIS_URL]")
     common.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
     p = sub.add_parser("stats", parents=[common], help="processed/failed totals, set sizes, daily history")
-    p.add_argument("--days", type=_positive_int("--days"), default=7, help="days of history (default 7)")
+    p.add_argument("--days", type=whole_number("--days"), default=7, help="days of history (default 7)")
     sub.add_parser("queues", parents=[common], help="each queue: size and latency")
     sub.add_parser("processes", parents=[common], help="live processes grouped by master")
     sub.add_parser("busy", parents=[common], help="the jobs running now, longest-running first")
@@ -113,7 +115,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
         listing.add_argument("--jid", help="only this job")
         listing.add_argument("--class", dest="klass", metavar="NAME", help="only jobs of this class")
         listing.add_argument("--queue", help="only jobs of this queue")
-        listing.add_argument("--limit", type=_positive_int("--limit"), default=100,
+        listing.add_argument("--limit", type=whole_number("--limit"), default=100,
                              help="show at most this many (default 100)")
         for verb in actions:
             a = verbs.add_parser(verb, parents=[common], help=f"{verb} the chosen entries")

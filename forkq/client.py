@@ -379,9 +379,7 @@ class _Pushers:
             except redis.exceptions.NoScriptError:  # a restarted Redis forgot it: send the body
                 conn.send_packed_command(conn.pack_command("EVAL", _PUSH, *args), check_health=False)
                 return conn.read_response()
-        except redis.TimeoutError:
-            raise
-        except redis.ConnectionError as exc:
+        except redis.ConnectionError as exc:  # (a TimeoutError is not one: it stays as it is)
             raise _Unanswered(str(exc)) from exc
 
     def _give(self, conn: Any) -> None:

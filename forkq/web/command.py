@@ -7,30 +7,11 @@ import argparse
 import os
 import sys
 
+from ..cli import whole_number
 from ..errors import ConfigError
 from .security import is_loopback
 
 DEFAULT_PORT = 7433
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--port must be a whole number, not {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"--port must be between 1 and 65535, not {value}")
-    return value
-
-
-def _threads(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--threads must be a whole number, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--threads must be at least 1, not {value}")
-    return value
 
 
 def add_web_command(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +20,8 @@ def add_web_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bind", default="127.0.0.1", metavar="HOST",
                    help="address to listen on (default 127.0.0.1); any non-loopback address "
                         "needs --password or --token")
-    p.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
+    p.add_argument("--port", type=whole_number("--port", 1, 65535), default=DEFAULT_PORT,
+                   help=f"default {DEFAULT_PORT}")
     p.add_argument("--password", default=None,
                    help="require HTTP Basic auth with this password [env FORKQ_WEB_PASSWORD]")
     p.add_argument("--token", default=None,
@@ -47,7 +29,7 @@ def add_web_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-url", default=None, help="Redis URL [env FORKQ_REDIS_URL]")
     p.add_argument("--url-prefix", default="", metavar="PATH",
                    help="serve under this path, e.g. /forkq behind a reverse proxy")
-    p.add_argument("--threads", type=_threads, default=4, help="request threads (default 4)")
+    p.add_argument("--threads", type=whole_number("--threads"), default=4, help="request threads (default 4)")
     p.set_defaults(handler=run)
 
 
