@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import redis
 
-from . import keys, logs, scripts
+from . import keys, logs, scripts, wire
 from .queues import QueueOrder
 
 log = logs.get("forkq.fetch")
@@ -40,7 +40,7 @@ class Unit(NamedTuple):
 
 class ReliableFetch:
     def __init__(self, client: redis.Redis, identity: str, order: QueueOrder,
-                 block_timeout: float = 2.0, master: str | None = None) -> None:
+                 block_timeout: float = 2.0, master: str | None = None, direct: bool = True) -> None:
         self.redis = client
         self.identity = identity
         self.order = order
@@ -49,6 +49,10 @@ class ReliableFetch:
         self.inflight_key = keys.inflight(identity)
         self._landing_keys = {q: keys.landing(identity, q) for q in order.names}
         self._fetch = scripts.load(client, "fetch")
+        # the claim runs on a connection of its own, past redis-py's per-command overhead
+        # (forkq.wire); `direct=False` or Sentinel keep redis-py's path, which may resend
+        self._new_conn = wire.connection_factory(client) if direct else None
+        self._conn: Any = None
         self._requeue_tokens = scripts.load(client, "requeue_tokens")
         self._requeue_all = scripts.load(client, "requeue_all")
         self._claim_suspect = scripts.load(client, "claim_suspect")
@@ -90,7 +94,7 @@ class ReliableFetch:
         self._next_token += max(want, 0)
         argv: list[Any] = [want, first, len(acks), len(landed), *acks, *landed, *order]
         try:
-            flat = self._fetch(keys=keys_, args=argv)
+            flat = self._claim(keys_, argv)
         except Exception:
             # the acks were not applied: keep them for the next call; a landing list that
             # was not drained must be drained next time too
@@ -105,6 +109,24 @@ class ReliableFetch:
             # a full batch may have left jobs in a landing list: drain it next time too
             self._landed.update(landed)
         return units
+
+    def _claim(self, keys_: list[str], argv: list[Any]) -> list[bytes]:
+        if self._new_conn is None:
+            return self._fetch(keys=keys_, args=argv)
+        if self._conn is None:
+            self._conn = self._new_conn()
+        try:
+            return wire.run_script(self._conn, self._fetch.sha, self._fetch.script,
+                                   (len(keys_), *keys_, *argv))
+        except redis.ResponseError:
+            raise  # an error reply leaves the connection in step
+        except BaseException:
+            self._conn.disconnect()
+            raise
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.disconnect()
 
     def claim_suspect(self) -> tuple[Unit | None, int]:
         """Send pending acks, then claim the next suspect; (the suspect or None, leftovers).

@@ -82,6 +82,7 @@ class Manager:
         self._idle = concurrency
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._asleep = False  # the fetcher is in _sleep: only then does done() wake it
         self._fetcher = threading.Thread(target=self._fetch_loop, name="forkq-fetcher", daemon=True)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -138,7 +139,8 @@ class Manager:
             self._suspect = None
         with self._lock:
             self._idle += 1
-        self._wake.set()
+        if self._asleep:
+            self._wake.set()
 
     def write(self, fn: Callable[..., Any], *args: Any, patience: float | None = None) -> Any:
         """Run a Redis write, riding out an outage with backoff; gives up at a hard stop, or
@@ -161,6 +163,17 @@ class Manager:
     # -- fetch loop -----------------------------------------------------------------------
     def _wake_fetcher(self) -> None:
         self._wake.set()
+
+    def _sleep(self, ready: Callable[[], bool] | None = None, timeout: float | None = None) -> None:
+        """Wait to be woken. done() sets the Event only while the fetcher sleeps here (a
+        lock and a notify per job, for nothing, while it is busy claiming), so `ready` is
+        checked once the flag is up: a processor that finished just before is seen there."""
+        self._asleep = True
+        try:
+            if ready is None or not ready():
+                self._wake.wait(timeout)
+        finally:
+            self._asleep = False
 
     def suspects_seen(self, waiting: int) -> None:
         """The heartbeat read LLEN forkq:suspects: isolate them if there are any."""
@@ -197,7 +210,7 @@ class Manager:
                 continue
             want = self._idle
             if want == 0:
-                self._wake.wait()
+                self._sleep(lambda: self._idle > 0)
                 continue
             try:
                 units = self.fetch.fetch(want)
@@ -213,7 +226,8 @@ class Manager:
                     self._handoff.put(u)
                 continue
             self.waiters.arm()
-            self._wake.wait()
+            # a job that ended during the claim: claim again at once, carrying its ack
+            self._sleep(lambda: self._idle != want)
         self._give_back_unstarted()
 
     def _back_off(self, exc: Exception, delay: float, what: str) -> float:
@@ -223,7 +237,7 @@ class Manager:
             self.health.failed(exc)  # one line per outage, not one per attempt
         else:
             log.exception(what)
-        self._wake.wait(delay)
+        self._sleep(timeout=delay)
         return min(delay * 2, 2.0)
 
     def _isolate(self) -> None:
@@ -242,7 +256,7 @@ class Manager:
             if self._idle < self.concurrency:
                 if ran == 0 and not self.suspects_waiting:
                     break  # another process took them while our jobs were finishing
-                self._wake.wait()
+                self._sleep(lambda: self._idle == self.concurrency)
                 continue
             try:
                 if not returned_landed:

@@ -23,14 +23,18 @@ _FastDecodeError = orjson.JSONDecodeError
 # orjson reads an integer beyond 64 bits as a float, silently losing digits; a Ruby
 # bignum in a Sidekiq payload must survive, so such payloads take the standard parser
 _LONG_NUMBER = re.compile(r"[0-9]{19}").search
-_LONG_NUMBER_BYTES = re.compile(rb"[0-9]{19}").search
+# for bytes (what a worker reads), mapping every digit to 0 and looking for a run of 19
+# takes a third of the regex's time, which is more than orjson takes to parse a payload
+_DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_LONG_RUN = b"0" * 19
 
 
 def _decode(raw: bytes | str) -> Any:
     """json.loads, about 5x faster. orjson refuses what json accepts (NaN, lone surrogate
     escapes, UTF-16) and would round long integers: those go to json.loads, so what a
     payload means and how a bad one is reported stay exactly json's."""
-    if (_LONG_NUMBER_BYTES if type(raw) is bytes else _LONG_NUMBER)(raw) is None:
+    if (_LONG_RUN not in raw.translate(_DIGITS_TO_ZERO) if type(raw) is bytes
+            else _LONG_NUMBER(raw) is None):
         try:
             return _fast_decode(raw)
         except _FastDecodeError:

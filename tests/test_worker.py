@@ -294,13 +294,14 @@ def test_worker_started_while_redis_is_down_begins_once_it_is_up(own_redis, work
 
 @pytest.mark.timeout(30)
 def test_a_fetch_sent_again_after_a_lost_reply_claims_nothing_twice(own_redis):
-    """redis-py resends a command whose reply timed out. If the first copy ran, the copy
-    must hand over its claims, not claim new jobs under the same tokens (losing the first)."""
+    """redis-py resends a command whose reply timed out (forkq claims through redis-py
+    under Sentinel). If the first copy ran, the copy must hand over its claims, not claim
+    new jobs under the same tokens (losing the first)."""
     forkq.Client(own_redis.url).push_bulk("Any", [[i] for i in range(6)])
     conn = redis.Redis(host="127.0.0.1", port=own_redis.port, socket_timeout=0.3,
                        retry=Retry(NoBackoff(), 8))  # attempts for ~2.7 s: resume lands in one
     admin = own_redis.client()
-    fetch = ReliableFetch(conn, "test:1:000000000000", QueueOrder([("default", 0)]))
+    fetch = ReliableFetch(conn, "test:1:000000000000", QueueOrder([("default", 0)]), direct=False)
     try:
         fetch.fetch(0)  # loads the script, so the copies stuck in the pause are runnable
         own_redis.pause()
@@ -322,7 +323,8 @@ def test_a_fetch_sent_again_after_a_lost_reply_claims_nothing_twice(own_redis):
 
 @pytest.mark.timeout(30)
 def test_jobs_claimed_by_a_fetch_that_failed_are_put_back(own_redis):
-    """All retries failed, but the script ran: those claims go back to the queue."""
+    """The claim timed out (the direct path never resends), but the script ran: those
+    claims go back to the queue."""
     forkq.Client(own_redis.url).push_bulk("Any", [[i] for i in range(4)])
     conn = redis.Redis(host="127.0.0.1", port=own_redis.port, socket_timeout=0.3,
                        retry=Retry(NoBackoff(), 0))
@@ -344,6 +346,27 @@ def test_jobs_claimed_by_a_fetch_that_failed_are_put_back(own_redis):
         assert admin.hlen(fetch.inflight_key) == 4
     finally:
         conn.close()
+        admin.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_claim_connection_outlives_a_server_side_close_and_a_script_flush(own_redis):
+    """The claim runs on a connection of the fetcher's own: one the server dropped while
+    idle is replaced before sending, and a Redis that forgot the script gets its body."""
+    forkq.Client(own_redis.url).push_bulk("Any", [[i] for i in range(4)])
+    admin = own_redis.client()
+    fetch = ReliableFetch(own_redis.client(), "test:1:000000000000", QueueOrder([("default", 0)]))
+    try:
+        got = fetch.fetch(1)
+        assert admin.client_kill_filter(_type="normal", skipme=True) >= 1
+        got += fetch.fetch(1)
+        admin.script_flush()
+        got += fetch.fetch(1)
+        assert [json.loads(u.raw)["args"] for u in got] == [[0], [1], [2]]
+        assert admin.hlen(fetch.inflight_key) == 3
+        assert admin.llen("queue:default") == 1
+    finally:
+        fetch.close()
         admin.close()
 
 

@@ -18,8 +18,8 @@ if nacks > 0 then
 end
 local names = 4 + nacks
 local out, fields = {}, {}
--- The same call sent again (redis-py retries a command whose reply was lost, e.g. when
--- Redis went down just after running it): the first run's claims are under our tokens and
+-- The same call sent again (under Sentinel the claim goes through redis-py, which retries
+-- a command whose reply was lost, e.g. when Redis went down just after running it): the first run's claims are under our tokens and
 -- nobody has them yet. Hand those over; claiming afresh would overwrite them and lose them.
 if want > 0 and redis.call('HEXISTS', hash, tostring(token)) == 1 then
   for t = token, token + want - 1 do
