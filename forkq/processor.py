@@ -37,8 +37,10 @@ class Processor:
 
     def run(self) -> None:
         take = self.manager.take
+        bell = threading.Lock()
+        bell.acquire()  # held while running: whoever has a job for this thread releases it
         while True:
-            unit = take()
+            unit = take(bell)
             if unit is None:
                 return
             self.manager.done(unit.token if self.process(unit) else None)
