@@ -92,7 +92,9 @@ class ReliableFetch:
         keys_ += [keys.queue(q) for q in order]
         first = self._next_token
         self._next_token += max(want, 0)
-        argv: list[Any] = [want, first, len(acks), len(landed), *acks, *landed, *order]
+        resend = 0 if self._new_conn is not None else 1  # only redis-py's path resends
+        names = landed + order
+        argv: list[Any] = [want, first, len(acks), len(landed), resend, *acks, *names]
         try:
             flat = self._claim(keys_, argv)
         except Exception:
@@ -103,8 +105,7 @@ class ReliableFetch:
             if want > 0:
                 self._uncertain.append((first, want))
             raise
-        units = [Unit(flat[i].decode(), flat[i + 1].decode(), flat[i + 2])
-                 for i in range(0, len(flat), 3)]
+        units = _units(flat, first, names)
         if len(units) >= want:
             # a full batch may have left jobs in a landing list: drain it next time too
             self._landed.update(landed)
@@ -254,6 +255,24 @@ class ReliableFetch:
         """Return everything this process holds to its queues and unregister it."""
         self.flush_acks()
         return requeue_owner(self.redis, self.identity, self.order.names, script=self._requeue_all)
+
+
+def _units(flat: list[Any], first: int, names: list[str]) -> list[Unit]:
+    """The fetch script's reply as Units: per-key counts then the payloads, numbered from
+    `first`; or, from a resend that found its first run's claims, (token, queue, payload)."""
+    k = flat[0]
+    if k == -1:
+        return [Unit(flat[i].decode(), flat[i + 1].decode(), flat[i + 2])
+                for i in range(1, len(flat), 3)]
+    units = []
+    token = first
+    pos = k + 1
+    for name, count in zip(names, flat[1:k + 1]):
+        for raw in flat[pos:pos + count]:
+            units.append(Unit(str(token), name, raw))
+            token += 1
+        pos += count
+    return units
 
 
 class Requeued(NamedTuple):
