@@ -73,11 +73,21 @@ def wait_blocked(r, processes: int, timeout: float = 20) -> None:
         time.sleep(0.01)
 
 
-def bench_process(r, n: int, processes: int, concurrency: int, log_level: str) -> tuple[float, float]:
+def redis_cpu(r) -> float:
+    info = r.client.info("cpu")
+    return info["used_cpu_user"] + info["used_cpu_sys"]
+
+
+def children_cpu(children: list[psutil.Process]) -> float:
+    return sum(t.user + t.system for t in (c.cpu_times() for c in children))
+
+
+def bench_process(r, n: int, processes: int, concurrency: int, log_level: str) -> tuple[float, ...]:
     """Jobs/s and Redis commands per job over `n` no-op jobs, timed from their arrival on
     the queue with every child up and waiting: the workers' pace, not how fast children
     boot (timing from the first claim counted the second child's start-up against
-    --processes 2, by up to a tenth of a 20,000-job window)."""
+    --processes 2, by up to a tenth of a 20,000-job window). Also the children's and
+    Redis's CPU seconds per job over the window."""
     r.client.delete("queue:bench", "queue:staged")
     client = forkq.Client(r.url)
     jobs.noop.options(client=client, queue="staged").enqueue_many([()] * (n - 1))
@@ -88,6 +98,8 @@ def bench_process(r, n: int, processes: int, concurrency: int, log_level: str) -
     try:
         wait_ready(r.client, processes)
         wait_blocked(r.client, processes)
+        children = psutil.Process(proc.pid).children()
+        cpu0, rcpu0 = children_cpu(children), redis_cpu(r)
         c0 = r.commands()
         t0 = time.monotonic()
         # RENAME puts n - 1 jobs in place at once; the push of the last one wakes the
@@ -96,12 +108,13 @@ def bench_process(r, n: int, processes: int, concurrency: int, log_level: str) -
         noop.enqueue()
         t1 = wait_drained(r.client, "bench", 300)
         c1 = r.commands()
+        cpu1, rcpu1 = children_cpu(children), redis_cpu(r)
         leftover = r.client.zcard("retry") + r.client.zcard("dead")
         if leftover:
             raise SystemExit(f"{leftover} jobs failed: the benchmark is not measuring no-op jobs")
     finally:
         stop_master(proc)
-    return n / (t1 - t0), (c1 - c0) / n
+    return n / (t1 - t0), (c1 - c0) / n, (cpu1 - cpu0) / n, (rcpu1 - rcpu0) / n
 
 
 def bench_recovery(r, processes: int, concurrency: int, rounds: int) -> list[float]:
@@ -161,15 +174,17 @@ def measure(jobs_n: int = 20_000, processes: int = 2, concurrency: int = 10,
     out: dict[str, float] = {}
     with PrivateRedis() as r:
         out["enqueue_many"], out["enqueue"] = bench_enqueue(r, jobs_n)
-        runs: dict[str, list[tuple[float, float]]] = {"warning": [], "info": [], "1": []}
+        runs: dict[str, list[tuple[float, ...]]] = {"warning": [], "info": [], "1": []}
         for _ in range(rounds):
             for key, procs, level in (("warning", processes, "warning"), ("1", 1, "warning"),
                                       ("info", processes, "info")):
                 r.client.flushall()
                 runs[key].append(bench_process(r, jobs_n, procs, concurrency, level))
         for key in ("warning", "info", "1"):
-            out[f"process_{key}"] = statistics.median(rate for rate, _ in runs[key])
-            out[f"commands_{key}"] = statistics.median(cmds for _, cmds in runs[key])
+            out[f"process_{key}"] = statistics.median(run[0] for run in runs[key])
+            out[f"commands_{key}"] = statistics.median(run[1] for run in runs[key])
+            out[f"child_us_{key}"] = statistics.median(run[2] for run in runs[key]) * 1e6
+            out[f"redis_us_{key}"] = statistics.median(run[3] for run in runs[key]) * 1e6
         out["ratio"] = statistics.median(two[0] / one[0] for two, one in zip(runs["warning"], runs["1"]))
         out["ratios"] = [two[0] / one[0] for two, one in zip(runs["warning"], runs["1"])]
         out["rounds"] = rounds
@@ -197,6 +212,9 @@ def main() -> None:
               f"{f['commands_' + level]:.2f} Redis commands/job "
               f"({a.jobs:,} no-op jobs, --processes {a.processes} --concurrency {a.concurrency})")
     print(f"processing --processes 1 (warning): {f['process_1']:8,.0f} jobs/s")
+    print(f"CPU per job, --processes {a.processes} (warning): children {f['child_us_warning']:.1f} us, "
+          f"Redis {f['redis_us_warning']:.1f} us; --processes 1: children {f['child_us_1']:.1f} us, "
+          f"Redis {f['redis_us_1']:.1f} us")
     print(f"--processes {a.processes} over 1: {f['ratio']:.2f}x (median of "
           f"{', '.join(f'{x:.2f}' for x in f['ratios'])})")
     print(f"recovery after SIGKILL of a busy child ({a.concurrency} jobs in flight): "
