@@ -80,7 +80,7 @@ def main() -> int:
     t.add("--processes 2 over --processes 1", f"{ratio:.2f}x{each}", ">= 1.5x", ratio >= 1.5)
     c, rd = f["child_us_1"], f["redis_us_1"]
     # with Redis on the same cores, 2 processes run at most 2 / (c + r) jobs per second and
-    # one process at most 1 / c: the ratio cannot pass 2c / (c + r), however fast both are
+    # one process at most 1 / c: with both at their limit, the ratio is 2c / (c + r)
     t.add("CPU per job, 1 x 10: child c / Redis r", f"{c:.1f} us / {rd:.1f} us (2c/(c+r) = "
           f"{2 * c / (c + rd):.2f}x)")
     t.add(f"recovery after SIGKILL, median of {f['recovery_kills']:.0f}",
