@@ -99,13 +99,24 @@ def dead_owners(client: redis.Redis, recovery_delay: float, *, this_host_now: bo
 
 
 def sweep(client: redis.Redis, recovery_delay: float, holder: str, *, this_host_now: bool = False,
-          skip: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, int]]:
-    """Recover every dead owner's jobs, if no other forkq is sweeping; [(identity, jobs back)]."""
+          skip: set[str] | frozenset[str] = frozenset(),
+          stall_limit: float = float("inf")) -> list[tuple[str, int]] | None:
+    """Recover every dead owner's jobs, if no other forkq is sweeping; [(identity, jobs back)].
+
+    None, recovering nothing, when taking the lock and reading the heartbeats took longer
+    than `stall_limit` seconds: Redis stalled (paused, swapping, a slow command) with our
+    call waiting, so it could not record anyone's heartbeat either, and every one looks
+    stale. The caller treats that like an outage: live processes need time to beat again.
+    A stall shorter than the socket timeout raises nothing, so timing is the only sign."""
+    started = time.monotonic()
     if not client.set(LOCK, holder, nx=True, px=30_000):
         return []
     recovered = []
     try:
-        for identity, queues in dead_owners(client, recovery_delay, this_host_now=this_host_now, skip=skip):
+        dead = dead_owners(client, recovery_delay, this_host_now=this_host_now, skip=skip)
+        if time.monotonic() - started > stall_limit:
+            return None
+        for identity, queues in dead:
             counts = requeue_owner_counts(client, identity, queues)
             recovered.append((identity, counts.requeued))
             log.warning("recovered a dead process's jobs", owner=identity, requeued=counts.requeued,

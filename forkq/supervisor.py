@@ -349,12 +349,18 @@ class Supervisor:
                 self._redis_ok_since = now
             found = orphans.sweep(self.redis, s.recovery_delay if settled else float("inf"),
                                   self.identity, this_host_now=True,
-                                  skip={c.identity for c in self.children.values()})
+                                  skip={c.identity for c in self.children.values()},
+                                  stall_limit=min(1.0, s.recovery_delay / 4))
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
             self._redis_ok_since = None
             return
         except Exception:
             log.exception("orphan sweep failed")
+            return
+        if found is None:
+            log.warning("Redis stalled during the orphan sweep; no process is judged dead until "
+                        "heartbeats have had time to resume")
+            self._redis_ok_since = time.monotonic()
             return
         for _identity, requeued in found:
             self.stats.requeued += requeued
