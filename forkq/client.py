@@ -341,16 +341,10 @@ class _Pushers:
         except IndexError:
             conn = self._new()
         try:
-            reply = wire.run_script(conn, _PUSH_SHA, _PUSH,
-                                    (2, keys.queue(queue_name), keys.QUEUES, queue_name, *raws))
-        except redis.ResponseError:
-            self._give(conn)  # an error reply leaves the connection in step
-            raise
-        except BaseException:
-            conn.disconnect()
-            raise
-        self._give(conn)
-        return reply
+            return wire.run_script(conn, _PUSH_SHA, _PUSH,
+                                   (2, keys.queue(queue_name), keys.QUEUES, queue_name, *raws))
+        finally:
+            self._give(conn)  # in step, or disconnected by run_script after a failure
 
     def _give(self, conn: Any) -> None:
         if len(self._idle) < self.MAX_IDLE:

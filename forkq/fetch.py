@@ -53,6 +53,7 @@ class ReliableFetch:
         # (forkq.wire); `direct=False` or Sentinel keep redis-py's path, which may resend
         self._new_conn = wire.connection_factory(client) if direct else None
         self._conn: Any = None
+        self._resend = 0 if self._new_conn is not None else 1  # the script's resend guard
         self._requeue_tokens = scripts.load(client, "requeue_tokens")
         self._requeue_all = scripts.load(client, "requeue_all")
         self._claim_suspect = scripts.load(client, "claim_suspect")
@@ -92,9 +93,8 @@ class ReliableFetch:
         keys_ += [keys.queue(q) for q in order]
         first = self._next_token
         self._next_token += max(want, 0)
-        resend = 0 if self._new_conn is not None else 1  # only redis-py's path resends
         names = landed + order
-        argv: list[Any] = [want, first, len(acks), len(landed), resend, *acks, *names]
+        argv: list[Any] = [want, first, len(acks), len(landed), self._resend, *acks, *names]
         try:
             flat = self._claim(keys_, argv)
         except Exception:
@@ -116,14 +116,8 @@ class ReliableFetch:
             return self._fetch(keys=keys_, args=argv)
         if self._conn is None:
             self._conn = self._new_conn()
-        try:
-            return wire.run_script(self._conn, self._fetch.sha, self._fetch.script,
-                                   (len(keys_), *keys_, *argv))
-        except redis.ResponseError:
-            raise  # an error reply leaves the connection in step
-        except BaseException:
-            self._conn.disconnect()
-            raise
+        return wire.run_script(self._conn, self._fetch.sha, self._fetch.script,
+                               (len(keys_), *keys_, *argv))
 
     def close(self) -> None:
         if self._conn is not None:

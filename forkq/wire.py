@@ -33,7 +33,20 @@ def connection_factory(client: redis.Redis) -> Callable[[], AbstractConnection] 
 
 
 def run_script(conn: AbstractConnection, sha: str, body: str, args: tuple) -> Any:
-    """EVALSHA `sha` with `args` (numkeys, keys..., argv...); the body after NOSCRIPT."""
+    """EVALSHA `sha` with `args` (numkeys, keys..., argv...); the body after NOSCRIPT.
+
+    An error reply leaves the connection in step; any other failure disconnects it, so
+    the caller can keep using it (it reconnects on the next send)."""
+    try:
+        return _run_script(conn, sha, body, args)
+    except redis.ResponseError:
+        raise
+    except BaseException:
+        conn.disconnect()
+        raise
+
+
+def _run_script(conn: AbstractConnection, sha: str, body: str, args: tuple) -> Any:
     try:
         # an idle connection the server closed (restart, timeout) reads as EOF here;
         # reconnect before sending rather than lose the command to a dead socket
