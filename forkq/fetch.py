@@ -106,9 +106,8 @@ class ReliableFetch:
                 self._uncertain.append((first, want))
             raise
         units = _units(flat, first, names)
-        if len(units) >= want:
-            # a full batch may have left jobs in a landing list: drain it next time too
-            self._landed.update(landed)
+        if landed:
+            self._landed.update(_undrained(flat, want, landed))
         return units
 
     def _claim(self, keys_: list[str], argv: list[Any]) -> list[bytes]:
@@ -267,6 +266,26 @@ def _units(flat: list[Any], first: int, names: list[str]) -> list[Unit]:
             token += 1
         pos += count
     return units
+
+
+def _undrained(flat: list[Any], want: int, landed: list[str]) -> list[str]:
+    """The landing lists a claim may have left jobs in: those it did not reach, and those
+    that gave all it asked of them. Draining an empty one again on every claim cost an RPOP
+    per claim (a fifth of the Redis commands per job)."""
+    k = flat[0]
+    if k == -1:
+        return landed  # a resend's reply says nothing about them
+    left = []
+    asked = want
+    for i, queue in enumerate(landed):
+        if i >= k:
+            left.extend(landed[i:])
+            break
+        got = flat[1 + i]
+        if got >= asked:
+            left.append(queue)
+        asked -= got
+    return left
 
 
 class Requeued(NamedTuple):

@@ -350,6 +350,33 @@ def test_jobs_claimed_by_a_fetch_that_failed_are_put_back(own_redis):
 
 
 @pytest.mark.timeout(30)
+def test_a_landing_list_is_drained_across_claims_and_then_left_alone(own_redis):
+    """A landing list holding more than one claim takes is drained over the next claims
+    (oldest first, ahead of the queue); once a claim finds it short, later claims stop
+    asking it, so a claim costs one RPOP again."""
+    admin = own_redis.client()
+    client = forkq.Client(own_redis.url)
+    fetch = ReliableFetch(own_redis.client(), "test:1:000000000000", QueueOrder([("default", 0)]))
+    try:
+        client.push_bulk("Any", [[i] for i in range(5)])
+        landing = "forkq:landing:test:1:000000000000:default"
+        for _ in range(5):  # as BLMOVE does: oldest rightmost
+            admin.lmove("queue:default", landing, "RIGHT", "LEFT")
+        client.push_bulk("Any", [[i] for i in range(5, 10)])
+        fetch._landed.add("default")
+        admin.config_resetstat()
+        got = fetch.fetch(3) + fetch.fetch(3) + fetch.fetch(3) + fetch.fetch(3)
+        assert [json.loads(u.raw)["args"][0] for u in got] == list(range(10))
+        assert admin.llen(landing) == 0
+        stats = admin.info("commandstats")
+        # claims: 3 from landing; 2 from landing + 1 from the queue; then queue only
+        assert stats["cmdstat_rpop"]["calls"] == 1 + 2 + 1 + 1
+    finally:
+        fetch.close()
+        admin.close()
+
+
+@pytest.mark.timeout(30)
 def test_the_claim_connection_outlives_a_server_side_close_and_a_script_flush(own_redis):
     """The claim runs on a connection of the fetcher's own: one the server dropped while
     idle is replaced before sending, and a Redis that forgot the script gets its body."""
