@@ -1,8 +1,13 @@
 """The processors of one process, and the fetch loop that feeds them.
 
-One fetch thread claims as many jobs as there are idle processors (one Lua round trip
-that also carries the acks of finished jobs), hands them over through an in-process
-queue, and when Redis has nothing, arms the per-queue waiters that block in BLMOVE.
+A claim takes as many jobs as there are idle processors, in one Lua round trip that also
+carries the acks of finished jobs. While jobs keep coming, the processor that finishes
+and finds nothing handed over makes the claim itself, keeps one job and hands the rest
+to the others: no thread wakes another just to claim, and none waits for one that was
+woken. The fetch thread claims when a processor cannot: at start, after a blocking
+waiter caught a job, after a failed claim (with backoff), and for processors that went
+idle while another claim was on its way. When Redis has nothing, the per-queue waiters
+block in BLMOVE. One claim runs at a time (the baton).
 
 Isolation of suspects: jobs that were in flight in a process that crashed wait on the
 `forkq:suspects` list. When the heartbeat sees that list non-empty, the fetch loop stops
@@ -112,6 +117,17 @@ class Handoff:
             bell.acquire()
             woken = True
 
+    def try_get(self) -> Any:
+        """The next job without sleeping, or _NOTHING."""
+        with self._lock:
+            if not self._units:
+                return _NOTHING
+            unit = self._units.popleft()
+            wake = self._wake_one()
+        if wake is not None:
+            wake.release()
+        return unit
+
     def drain(self) -> list[Unit | None]:
         with self._lock:
             units = list(self._units)
@@ -144,7 +160,12 @@ class Manager:
         self._idle = concurrency
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._asleep = False  # the fetcher is in _sleep: only then does done() wake it
+        self._asleep = False  # the fetcher sleeps waiting for idle processors (see done())
+        # one claim at a time, by the fetcher or by a processor claiming for itself (take())
+        self._baton = threading.Lock()
+        # processors claim only once the fetcher's first claim succeeded (after registering)
+        # and stop while the fetcher backs off after a failed claim
+        self._fetcher_leads = True
         self._fetcher = threading.Thread(target=self._fetch_loop, name="forkq-fetcher", daemon=True)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -190,8 +211,54 @@ class Manager:
 
     # -- processor side -------------------------------------------------------------------
     def take(self, bell: threading.Lock) -> Unit | None:
-        """The next claimed job for a processor (None: stop); `bell` as in Handoff.get."""
-        return self._handoff.get(bell)
+        """The next claimed job for a processor (None: stop); `bell` as in Handoff.get.
+
+        A processor that finds nothing handed over claims for itself and every other idle
+        processor, instead of waking the fetcher thread and sleeping until the fetcher
+        wakes it: two thread hand-overs fewer on each claim's path."""
+        unit = self._handoff.try_get()
+        if unit is _NOTHING:
+            unit = self._claim_here()
+            if unit is _NOTHING:
+                return self._handoff.get(bell)
+        return unit
+
+    def _claim_here(self) -> Any:
+        if self._fetcher_leads or self.quiet_flag or self.suspects_waiting:
+            return _NOTHING
+        if not self._baton.acquire(blocking=False):
+            return _NOTHING  # a claim is under way, for this processor too if it was idle
+        try:
+            want = self._idle
+            if want <= 0 or self._fetcher_leads or self.quiet_flag or self.suspects_waiting:
+                return _NOTHING
+            try:
+                units = self.fetch.fetch(want)
+            except Exception as exc:
+                # the fetcher thread backs off and retries; processors wait for it
+                self._fetcher_leads = True
+                if isinstance(exc, REDIS_ERRORS):
+                    self.health.failed(exc)
+                else:
+                    log.exception("fetch failed")
+                self._wake.set()
+                return _NOTHING
+            self.health.ok()
+            if not units:
+                self.waiters.arm()
+                return _NOTHING
+            with self._lock:
+                self._idle -= len(units)
+                left = self._idle
+            if len(units) > 1:
+                self._handoff.put_many(units[1:])
+            if left > 0:
+                # processors that went idle during the claim, or a queue that ran short:
+                # the fetcher claims again (and arms the waiters if nothing is left)
+                self._wake.set()
+            return units[0]
+        finally:
+            self._baton.release()
 
     def done(self, token: str | None) -> None:
         if token is not None:
@@ -203,7 +270,7 @@ class Manager:
         with self._lock:
             self._idle += 1
         if self._asleep:
-            self._wake.set()
+            self._wake.set()  # only while isolating, or while processors may not claim
 
     def write(self, fn: Callable[..., Any], *args: Any, patience: float | None = None) -> Any:
         """Run a Redis write, riding out an outage with backoff; gives up at a hard stop, or
@@ -227,11 +294,13 @@ class Manager:
     def _wake_fetcher(self) -> None:
         self._wake.set()
 
-    def _sleep(self, ready: Callable[[], bool] | None = None, timeout: float | None = None) -> None:
-        """Wait to be woken. done() sets the Event only while the fetcher sleeps here (a
-        lock and a notify per job, for nothing, while it is busy claiming), so `ready` is
-        checked once the flag is up: a processor that finished just before is seen there."""
-        self._asleep = True
+    def _sleep(self, ready: Callable[[], bool] | None = None, timeout: float | None = None,
+               watch_idle: bool = False) -> None:
+        """Wait to be woken. done() sets the Event only while the fetcher sleeps with
+        `watch_idle` (otherwise it would take a lock and notify per job, for nothing), so
+        `ready` is checked once the flag is up: a processor that finished just before is
+        seen there."""
+        self._asleep = watch_idle
         try:
             if ready is None or not ready():
                 self._wake.wait(timeout)
@@ -273,13 +342,22 @@ class Manager:
                 continue
             want = self._idle
             if want == 0:
-                self._sleep(lambda: self._idle > 0)
+                # processors claim for themselves as they finish (take()), unless one of
+                # their claims failed: then this thread claims until one succeeds
+                leads = self._fetcher_leads
+                self._sleep(lambda: self._idle > 0, watch_idle=leads)
                 continue
-            try:
-                units = self.fetch.fetch(want)
-            except Exception as exc:
-                delay = self._back_off(exc, delay, "fetch failed")
-                continue
+            with self._baton:
+                want = self._idle
+                if want == 0:
+                    continue
+                try:
+                    units = self.fetch.fetch(want)
+                except Exception as exc:
+                    self._fetcher_leads = True
+                    delay = self._back_off(exc, delay, "fetch failed")
+                    continue
+            self._fetcher_leads = False
             delay = 0.05
             self.health.ok()
             if units:
@@ -318,16 +396,19 @@ class Manager:
             if self._idle < self.concurrency:
                 if ran == 0 and not self.suspects_waiting:
                     break  # another process took them while our jobs were finishing
-                self._sleep(lambda: self._idle == self.concurrency)
+                self._sleep(lambda: self._idle == self.concurrency, watch_idle=True)
                 continue
-            try:
-                if not returned_landed:
-                    self.fetch.give_back_all_landed()
-                    returned_landed = True
-                unit, leftovers = self.fetch.claim_suspect()
-            except Exception as exc:
-                delay = self._back_off(exc, delay, "claiming a suspect failed")
-                continue
+            with self._baton:
+                if self._idle < self.concurrency:
+                    continue  # a processor's claim, under way as isolation began, handed out jobs
+                try:
+                    if not returned_landed:
+                        self.fetch.give_back_all_landed()
+                        returned_landed = True
+                    unit, leftovers = self.fetch.claim_suspect()
+                except Exception as exc:
+                    delay = self._back_off(exc, delay, "claiming a suspect failed")
+                    continue
             delay = 0.05
             self.health.ok()
             if leftovers:
@@ -348,6 +429,8 @@ class Manager:
         log.info("isolation ended", suspects_run=ran, stopping=self.quiet_flag)
 
     def _give_back_unstarted(self) -> None:
+        with self._baton:  # a processor's claim under way ends first; quiet stops the next
+            pass
         unstarted: list[Unit] = []
         for u in self._handoff.drain():
             if u is None:

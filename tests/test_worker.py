@@ -60,6 +60,30 @@ def test_runs_queued_jobs_once_each_and_acks_them(workers, forkq_client, r):
 
 
 @pytest.mark.timeout(30)
+def test_idle_threads_keep_taking_jobs_while_one_runs_a_long_job(workers, forkq_client, r):
+    """Processors claim for themselves as they finish: the two threads left beside a long
+    job must work through every short job while it still runs, batch after batch."""
+    core_jobs.sleepy.enqueue(3, "long")
+    worker = workers(concurrency=3)
+    wait_records(r, 1, worker, kind="start")
+    core_jobs.record.enqueue_many([[i] for i in range(200)])
+    done = wait_records(r, 200, worker, kind="record", timeout=2.5)
+    assert sorted(_ids(done)) == list(range(200))
+    assert records(r, "end") == []  # the long job is still running
+    wait_records(r, 1, worker, kind="end", timeout=5)
+
+
+@pytest.mark.timeout(30)
+def test_blocking_jobs_claimed_together_run_side_by_side(workers, forkq_client, r):
+    """Ten 1-second jobs on ten threads take about a second, not ten."""
+    core_jobs.sleepy.enqueue_many([[1, str(i)] for i in range(10)])
+    worker = workers(concurrency=10)
+    ends = wait_records(r, 10, worker, kind="end", timeout=8)
+    starts = records(r, "start")
+    assert max(e["t"] for e in ends) - min(s["t"] for s in starts) < 2.5
+
+
+@pytest.mark.timeout(30)
 def test_strict_queue_order_runs_all_of_a_before_b(workers, forkq_client, r):
     core_jobs.record.options(queue="b").enqueue_many([["b", i] for i in range(20)])
     core_jobs.record.options(queue="a").enqueue_many([["a", i] for i in range(20)])
