@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import hiredis
 import redis
 from redis.connection import AbstractConnection
 
@@ -54,12 +55,20 @@ def _run_script(conn: AbstractConnection, sha: str, body: str, args: tuple) -> A
             conn.disconnect()
     except redis.ConnectionError:
         conn.disconnect()
-    conn.send_packed_command(conn.pack_command("EVALSHA", sha, *args), check_health=False)
+    conn.send_packed_command(_pack(conn, "EVALSHA", sha, *args), check_health=False)
     try:
         try:
             return conn.read_response()
         except redis.exceptions.NoScriptError:  # a restarted Redis forgot it: send the body
-            conn.send_packed_command(conn.pack_command("EVAL", body, *args), check_health=False)
+            conn.send_packed_command(_pack(conn, "EVAL", body, *args), check_health=False)
             return conn.read_response()
     except redis.ConnectionError as exc:  # (a TimeoutError is not one: it stays as it is)
         raise Unanswered(str(exc)) from exc
+
+
+def _pack(conn: AbstractConnection, *args: Any) -> Any:
+    # hiredis packs str (as UTF-8), bytes, int and float as redis-py's encoder does, in
+    # half the time: redis-py's packer first walks the arguments in Python
+    if conn.encoder.encoding == "utf-8" and conn.encoder.encoding_errors == "strict":
+        return [hiredis.pack_command(args)]
+    return conn.pack_command(*args)
