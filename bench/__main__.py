@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import latency, memory, scaling, throughput  # noqa: E402
+from bench import cores, latency, memory, scaling, throughput  # noqa: E402
 
 FULL = {"jobs": 20_000, "rounds": 3, "recovery_rounds": 5, "latency_jobs": 2000, "scheduled": 200,
         "deep": 1_000_000, "sets": 100_000, "rss_jobs": 100_000, "memory_jobs": 10_000}
@@ -61,6 +61,10 @@ def main() -> int:
     n = QUICK if a.quick else FULL
     t = Table()
 
+    f = _stage("cores", lambda: cores.measure(n["rounds"] + 2))
+    t.add("this machine: 2 CPU-bound processes over 1, no Redis",
+          f"{f['ratio']:.2f}x (runs: {', '.join(f'{x:.2f}' for x in f['ratios'])})")
+
     f = _stage("throughput", lambda: throughput.measure(n["jobs"], 2, 10, n["recovery_rounds"],
                                                                  n["rounds"]))
     t.add("enqueue_many (batches of 1,000)", f"{f['enqueue_many']:,.0f} jobs/s", ">= 150,000",
@@ -83,6 +87,9 @@ def main() -> int:
     # one process at most 1 / c: with both at their limit, the ratio is 2c / (c + r)
     t.add("CPU per job, 1 x 10: child c / Redis r", f"{c:.1f} us / {rd:.1f} us (2c/(c+r) = "
           f"{2 * c / (c + rd):.2f}x)")
+    each = f" (runs: {', '.join(f'{x:.2f}' for x in f['spin_ratios'])})" if n["rounds"] > 1 else ""
+    t.add(f"--processes 2 over 1, jobs of ~{f['spin_child_us']:.0f} us CPU",
+          f"{f['spin_ratio']:.2f}x{each}")
     t.add(f"recovery after SIGKILL, median of {f['recovery_kills']:.0f}",
           f"{f['recovery_median_ms']:.1f} ms", "< 100 ms", f["recovery_median_ms"] < 100)
     t.add("recovery after SIGKILL, worst", f"{f['recovery_worst_ms']:.1f} ms", "< 1,000 ms",

@@ -11,6 +11,14 @@ def noop() -> None:
 
 
 @forkq.job(queue="bench")
+def spin(n: int) -> None:
+    # pure-Python work that holds the GIL: one process can run one core's worth of it
+    x = 0
+    for i in range(n):
+        x += i
+
+
+@forkq.job(queue="bench")
 def sleepy(seconds: float) -> None:
     time.sleep(seconds)
 

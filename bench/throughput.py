@@ -83,7 +83,8 @@ def children_cpu(children: list[psutil.Process]) -> float:
     return sum(t.user + t.system for t in (c.cpu_times() for c in children))
 
 
-def bench_process(r, n: int, processes: int, concurrency: int, log_level: str) -> tuple[float, ...]:
+def bench_process(r, n: int, processes: int, concurrency: int, log_level: str,
+                  job: Any = jobs.noop, args: tuple = ()) -> tuple[float, ...]:
     """Jobs/s and Redis commands per job over `n` no-op jobs, timed from their arrival on
     the queue with every child up and waiting: the workers' pace, not how fast children
     boot (timing from the first claim counted the second child's start-up against
@@ -91,8 +92,8 @@ def bench_process(r, n: int, processes: int, concurrency: int, log_level: str) -
     Redis's CPU seconds per job over the window."""
     r.client.delete("queue:bench", "queue:staged")
     client = forkq.Client(r.url)
-    jobs.noop.options(client=client, queue="staged").enqueue_many([()] * (n - 1))
-    noop = jobs.noop.options(client=client)
+    job.options(client=client, queue="staged").enqueue_many([args] * (n - 1))
+    last = job.options(client=client)
     proc = start_master(r.url, "--require", "bench/jobs.py", "--queue", "bench", "--processes",
                         str(processes), "--concurrency", str(concurrency), "--log-level", log_level,
                         "--log-format", "json")
@@ -106,13 +107,13 @@ def bench_process(r, n: int, processes: int, concurrency: int, log_level: str) -
         # RENAME puts n - 1 jobs in place at once; the push of the last one wakes the
         # blocked fetchers, as any push would
         r.client.rename("queue:staged", "queue:bench")
-        noop.enqueue()
+        last.enqueue(*args)
         t1 = wait_drained(r.client, "bench", 300)
         c1 = r.commands()
         cpu1, rcpu1 = children_cpu(children), redis_cpu(r)
         leftover = r.client.zcard("retry") + r.client.zcard("dead")
         if leftover:
-            raise SystemExit(f"{leftover} jobs failed: the benchmark is not measuring no-op jobs")
+            raise SystemExit(f"{leftover} jobs failed: the benchmark is not measuring what it says")
     finally:
         stop_master(proc)
     return n / (t1 - t0), (c1 - c0) / n, (cpu1 - cpu0) / n, (rcpu1 - rcpu0) / n
@@ -167,6 +168,9 @@ def _identity_of(client, pid: int) -> str:
     raise SystemExit(f"no owner entry for pid {pid}")
 
 
+SPIN = 2500  # loop turns of bench.jobs.spin: about 0.2 ms of CPU on this project's machine
+
+
 def measure(jobs_n: int = 20_000, processes: int = 2, concurrency: int = 10,
             recovery_rounds: int = 5, rounds: int = 3) -> dict[str, Any]:
     """Every figure of this benchmark, on a private Redis. Each processing figure is the
@@ -175,12 +179,21 @@ def measure(jobs_n: int = 20_000, processes: int = 2, concurrency: int = 10,
     out: dict[str, Any] = {}
     with PrivateRedis() as r:
         out["enqueue_many"], out["enqueue"] = bench_enqueue(r, jobs_n)
-        runs: dict[str, list[tuple[float, ...]]] = {"warning": [], "info": [], "1": []}
+        runs: dict[str, list[tuple[float, ...]]] = {"warning": [], "info": [], "1": [],
+                                                    "spin": [], "spin1": []}
+        spin_n = max(jobs_n // 5, 200)
         for _ in range(rounds):
             for key, procs, level in (("warning", processes, "warning"), ("1", 1, "warning"),
                                       ("info", processes, "info")):
                 r.client.flushall()
                 runs[key].append(bench_process(r, jobs_n, procs, concurrency, level))
+            # the same comparison with jobs that do some work (about 0.2 ms of Python each):
+            # Redis's share of the cores is then small, and the figure shows whether the
+            # processes themselves scale
+            for key, procs in (("spin", processes), ("spin1", 1)):
+                r.client.flushall()
+                runs[key].append(bench_process(r, spin_n, procs, concurrency, "warning",
+                                               jobs.spin, (SPIN,)))
         for key in ("warning", "info", "1"):
             out[f"process_{key}"] = statistics.median(run[0] for run in runs[key])
             out[f"commands_{key}"] = statistics.median(run[1] for run in runs[key])
@@ -188,6 +201,10 @@ def measure(jobs_n: int = 20_000, processes: int = 2, concurrency: int = 10,
             out[f"redis_us_{key}"] = statistics.median(run[3] for run in runs[key]) * 1e6
         out["ratios"] = [two[0] / one[0] for two, one in zip(runs["warning"], runs["1"])]
         out["ratio"] = statistics.median(out["ratios"])
+        out["spin_ratios"] = [two[0] / one[0] for two, one in zip(runs["spin"], runs["spin1"])]
+        out["spin_ratio"] = statistics.median(out["spin_ratios"])
+        out["spin_1"] = statistics.median(run[0] for run in runs["spin1"])
+        out["spin_child_us"] = statistics.median(run[2] for run in runs["spin1"]) * 1e6
         r.client.flushall()
         times = bench_recovery(r, processes, concurrency, recovery_rounds)
         out["recovery_median_ms"] = statistics.median(times) * 1000
@@ -217,6 +234,9 @@ def main() -> None:
           f"Redis {f['redis_us_1']:.1f} us")
     print(f"--processes {a.processes} over 1: {f['ratio']:.2f}x (median of "
           f"{', '.join(f'{x:.2f}' for x in f['ratios'])})")
+    print(f"--processes {a.processes} over 1, jobs of spin({SPIN}): {f['spin_ratio']:.2f}x (median of "
+          f"{', '.join(f'{x:.2f}' for x in f['spin_ratios'])}; 1 process {f['spin_1']:,.0f} jobs/s, "
+          f"{f['spin_child_us']:.0f} us of child CPU per job)")
     print(f"recovery after SIGKILL of a busy child ({a.concurrency} jobs in flight): "
           f"median {f['recovery_median_ms']:.1f} ms, worst {f['recovery_worst_ms']:.1f} ms "
           f"over {f['recovery_kills']:.0f} kills")
