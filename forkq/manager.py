@@ -227,7 +227,10 @@ class Manager:
         if self._fetcher_leads or self.quiet_flag or self.suspects_waiting:
             return _NOTHING
         if not self._baton.acquire(blocking=False):
-            return _NOTHING  # a claim is under way, for this processor too if it was idle
+            # a claim is under way: it covers this processor if it was idle in time, and
+            # its claimer looks again once it has let go of the baton (below)
+            return _NOTHING
+        units: list[Unit] = []
         try:
             want = self._idle
             if want <= 0 or self._fetcher_leads or self.quiet_flag or self.suspects_waiting:
@@ -244,21 +247,23 @@ class Manager:
                 self._wake.set()
                 return _NOTHING
             self.health.ok()
-            if not units:
+            if units:
+                with self._lock:
+                    self._idle -= len(units)
+                if len(units) > 1:
+                    self._handoff.put_many(units[1:])
+            else:
                 self.waiters.arm()
-                return _NOTHING
-            with self._lock:
-                self._idle -= len(units)
-                left = self._idle
-            if len(units) > 1:
-                self._handoff.put_many(units[1:])
-            if left > 0:
-                # processors that went idle during the claim, or a queue that ran short:
-                # the fetcher claims again (and arms the waiters if nothing is left)
-                self._wake.set()
-            return units[0]
         finally:
             self._baton.release()
+        # Checked after letting go: a processor turned away by the baton had already
+        # counted itself idle and queued its ack. With jobs claimed, any idle processor
+        # left (it went idle during the claim, or the queue ran short) needs another
+        # claim; with none, a processor that finished during the claim has an ack to send.
+        # The fetcher makes that claim (and arms the waiters if it finds nothing).
+        if self._idle > (0 if units else want):
+            self._wake.set()
+        return units[0] if units else _NOTHING
 
     def done(self, token: str | None) -> None:
         if token is not None:

@@ -73,6 +73,18 @@ def test_idle_threads_keep_taking_jobs_while_one_runs_a_long_job(workers, forkq_
     wait_records(r, 1, worker, kind="end", timeout=5)
 
 
+@pytest.mark.timeout(60)
+def test_every_ack_is_sent_when_a_burst_of_short_jobs_runs_dry(workers, forkq_client, r):
+    """The last jobs of a burst end while another thread's claim finds the queue empty:
+    their acks still reach Redis, with nothing left to claim to carry them."""
+    worker = workers(concurrency=10)
+    inflight = f"forkq:inflight:{worker.identity}"
+    for round_ in range(15):
+        core_jobs.add.enqueue_many([[round_, i] for i in range(2000)])
+        wait_until(lambda: r.llen("queue:default") == 0 and r.hlen(inflight) == 0, timeout=5,
+                   interval=0.02, message=f"burst {round_} acknowledged")
+
+
 @pytest.mark.timeout(30)
 def test_blocking_jobs_claimed_together_run_side_by_side(workers, forkq_client, r):
     """Ten 1-second jobs on ten threads take about a second, not ten."""
