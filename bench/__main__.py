@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import cores, latency, memory, scaling, throughput  # noqa: E402
 
-FULL = {"jobs": 20_000, "rounds": 3, "recovery_rounds": 5, "latency_jobs": 2000, "scheduled": 200,
+FULL = {"jobs": 20_000, "rounds": 5, "recovery_rounds": 5, "latency_jobs": 2000, "scheduled": 200,
         "deep": 1_000_000, "sets": 100_000, "rss_jobs": 100_000, "memory_jobs": 10_000}
 QUICK = {"jobs": 5_000, "rounds": 1, "recovery_rounds": 3, "latency_jobs": 400, "scheduled": 50,
          "deep": 200_000, "sets": 20_000, "rss_jobs": 20_000, "memory_jobs": 2_000}
