@@ -48,7 +48,7 @@ for i = 2, #KEYS do
   if got then
     local name = ARGV[names + i - 1] .. "\n"
     for _, job in ipairs(got) do
-      fields[#fields + 1] = tostring(token + n)
+      fields[#fields + 1] = string.format('%d', token + n)  -- tostring goes through %.14g: slower
       fields[#fields + 1] = name .. job
       jobs[#jobs + 1] = job
       n = n + 1
