@@ -36,6 +36,7 @@ from .retry import Outcomes
 
 log = logs.get("forkq.manager")
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+WATCH = 0.001  # seconds: see Handoff
 
 
 class RedisHealth:
@@ -66,8 +67,8 @@ class RedisHealth:
 
 
 class Handoff:
-    """Claimed jobs on their way from the fetcher to the processor threads, with as few
-    thread wake-ups as can keep every job moving.
+    """Claimed jobs on their way to the processor threads, with as few thread wake-ups as
+    can keep every job moving.
 
     A SimpleQueue wakes one sleeping thread per job put: ten claimed jobs, ten wake-ups,
     each a pair of futex calls and a GIL hand-over, which cost more than a no-op job runs.
@@ -75,23 +76,36 @@ class Handoff:
     more, unless a woken thread is already on its way. Short jobs drain on the threads
     already running; a job that blocks (I/O, sleep) releases the GIL, the woken thread
     takes the next job and wakes another, so blocking jobs still run side by side.
+
+    While jobs keep coming, even that one wake-up per claim is mostly wasted: the thread
+    that claimed runs the short jobs itself before the woken one gets the GIL, which then
+    finds nothing (py-spy: one such wake-up per claim, a third of the children's system
+    time). So one sleeper stands watch instead: it wakes every WATCH seconds while puts go
+    on, and takes whatever it finds. A processor's own put or take (`lazy`) wakes nobody
+    while a watch is kept; a job that blocks keeps the jobs claimed with it waiting for at
+    most WATCH. The watch ends after a WATCH with no put, so an idle process sleeps
+    untimed. The first thread woken for nothing takes the watch.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, watch: float = WATCH) -> None:
+        self._watch_s = watch
         self._units: deque[Unit | None] = deque()
         self._lock = threading.Lock()
         self._sleepers: list[threading.Lock] = []  # the held bells of threads waiting
         self._waking = False  # a woken thread has not yet come for its job
+        self._watcher: threading.Lock | None = None  # the bell of the sleeper on watch
+        self._puts = 0
 
-    def put_many(self, units: list[Unit | None]) -> None:
+    def put_many(self, units: list[Unit | None], lazy: bool = False) -> None:
         with self._lock:
             self._units.extend(units)
-            bell = self._wake_one()
+            self._puts += 1
+            bell = self._wake_one(lazy)
         if bell is not None:
             bell.release()
 
-    def _wake_one(self) -> threading.Lock | None:
-        if self._waking or not self._sleepers or not self._units:
+    def _wake_one(self, lazy: bool) -> threading.Lock | None:
+        if self._waking or not self._sleepers or not self._units or (lazy and self._watcher):
             return None
         self._waking = True
         return self._sleepers.pop()
@@ -106,24 +120,50 @@ class Handoff:
                     self._waking = False
                 if self._units:
                     unit = self._units.popleft()
-                    wake = self._wake_one()
+                    if self._watcher is bell:
+                        self._watcher = None
+                    wake = self._wake_one(True)
                 else:
                     self._sleepers.append(bell)
+                    if woken and self._watcher is None:
+                        self._watcher = bell
+                    watching = self._watcher is bell
+                    puts = self._puts
                     unit = wake = _NOTHING
             if unit is not _NOTHING:
                 if wake is not None:
                     wake.release()
                 return unit
+            if watching:
+                woken = self._watch(bell, puts)
+            else:
+                bell.acquire()
+                woken = True
+
+    def _watch(self, bell: threading.Lock, puts: int) -> bool:
+        """Sleep one WATCH on watch; True if woken by another thread."""
+        if bell.acquire(timeout=self._watch_s):
+            return True
+        with self._lock:
+            try:
+                self._sleepers.remove(bell)
+            except ValueError:
+                popped = True  # a waker took the bell off the list and is about to ring it
+            else:
+                popped = False
+                if self._puts == puts and not self._units:
+                    self._watcher = None  # nothing put for a whole WATCH: sleep untimed
+        if popped:
             bell.acquire()
-            woken = True
+        return popped
 
     def try_get(self) -> Any:
-        """The next job without sleeping, or _NOTHING."""
+        """The next job without sleeping, or _NOTHING (for a processor: a lazy take)."""
         with self._lock:
             if not self._units:
                 return _NOTHING
             unit = self._units.popleft()
-            wake = self._wake_one()
+            wake = self._wake_one(True)
         if wake is not None:
             wake.release()
         return unit
@@ -251,7 +291,7 @@ class Manager:
                 with self._lock:
                     self._idle -= len(units)
                 if len(units) > 1:
-                    self._handoff.put_many(units[1:])
+                    self._handoff.put_many(units[1:], lazy=True)
             else:
                 self.waiters.arm()
         finally:
