@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -295,8 +296,31 @@ def warn_about_redis(settings: Settings) -> None:
             "delete keys, and with them jobs", policy=value.decode() if isinstance(value, bytes) else value)
 
 
+class StoppedWhileStarting(BaseException):
+    """SIGTERM or SIGINT came before the master (or --no-fork worker) traps its own; a
+    BaseException, as KeyboardInterrupt, so that an app's `except Exception` lets it pass."""
+
+
+def _stop_while_starting(signum: int, frame: object) -> None:
+    raise StoppedWhileStarting(signal.Signals(signum).name)
+
+
 def start(settings: Settings) -> int:
+    """Boot and run; a TERM or INT while the app still imports (which can take seconds)
+    ends it with exit 0 and one line, as a stop would: nothing was claimed yet. Once the
+    master or the worker runs, its own signal traps replace these."""
     logs.configure(settings.log_level, settings.log_format)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_while_starting)
+    try:
+        return _start(settings)
+    except StoppedWhileStarting as exc:
+        logs.get("forkq").info("stop requested while starting; exiting before taking any job",
+                               signal=str(exc))
+        return 0
+
+
+def _start(settings: Settings) -> int:
     try:
         load_app(settings.require)
         from . import client

@@ -1,6 +1,7 @@
 """`python -m forkq start`: bad arguments fail in one line with exit code 2; --require forms."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -8,6 +9,7 @@ import pytest
 
 from corekit import CORE_JOBS, REPO_ROOT, CoreWorker, core_jobs, forkq_client  # noqa: F401
 from corekit import wait_records
+from helpers import wait_until
 
 
 def _forkq(args, env_url, timeout=20):
@@ -90,3 +92,28 @@ def test_require_by_dotted_module_registers_the_same_names(redis_url, forkq_clie
         assert rec["args"] == ["dotted"]
         assert worker.stop(timeout=15) == 0
     assert r.zcard("retry") == 0  # nothing failed as an unknown job
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("mode", [[], ["--no-fork"]])
+def test_a_stop_while_the_app_imports_exits_0_in_one_line(redis_url, tmp_path, sig, mode):
+    """A TERM (systemd, Kubernetes) or a Ctrl-C while a slow app still imports: nothing
+    was claimed, so exit 0 with one line, not a traceback and not death by the signal."""
+    started = tmp_path / "importing"
+    app = tmp_path / "slow_app.py"
+    app.write_text(f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\ntime.sleep(20)\n")
+    env = dict(os.environ, FORKQ_REDIS_URL=redis_url)
+    proc = subprocess.Popen([sys.executable, "-m", "forkq", "start", "--require", str(app), *mode],
+                            env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True)
+    try:
+        wait_until(started.exists, message="the app started importing")
+        proc.send_signal(getattr(signal, sig))
+        out, _ = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert "stop requested while starting" in out
+    assert sig in out
