@@ -155,7 +155,9 @@ class Launcher:
         self.manager.suspects_seen(int(result[-2] or 0))
         sig = result[-1]
         if sig:
-            name = sig.decode() if isinstance(sig, bytes) else str(sig)
+            # whatever a client pushed there: bytes that are not UTF-8 are an unknown
+            # signal like any other, not an error in the heartbeat
+            name = sig.decode("utf-8", "backslashreplace") if isinstance(sig, bytes) else str(sig)
             signum = REMOTE_SIGNALS.get(name)
             if signum is None:
                 log.warning("ignoring unknown remote signal", signal=name)

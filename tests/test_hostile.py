@@ -228,6 +228,13 @@ def test_hostile_corpus_ends_in_dead_or_where_sidekiq_puts_it(workers, r):
     assert not [k for k in r.keys("forkq:inflight:*") if r.hlen(k)]
     wait_until(lambda: r.llen(f"{worker.identity}-signals") == 0, timeout=5,
                message="the remote signals read")
+    # each one named in one warning line, the non-UTF-8 one too; no traceback
+    def ignored() -> list[str]:  # the last line may follow its RPOP by a moment
+        return sorted(json.loads(line)["signal"] for line in worker.log_path.read_text().splitlines()
+                      if "ignoring unknown remote signal" in line)
+    wait_until(lambda: len(ignored()) == 4, timeout=5, message="four signals ignored")
+    assert ignored() == sorted(["\\xff\\xfe", "rm -rf /", "KILL", "TERM\x00"])
+    assert "Traceback" not in worker.log_path.read_text()
     worker.assert_alive()
 
 
