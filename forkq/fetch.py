@@ -33,7 +33,7 @@ log = logs.get("forkq.fetch")
 
 
 class Unit(NamedTuple):
-    token: str
+    token: str   # its field in the in-flight hash: "NUMBER\nQUEUE"
     queue: str
     raw: bytes
 
@@ -164,12 +164,14 @@ class ReliableFetch:
 
         Those jobs sit in the in-flight hash under tokens only this process could have
         used, with no processor holding them: without this they would wait there until
-        the process stops. Tokens the script never claimed are simply absent.
+        the process stops. Tokens the script never claimed are simply absent. A field
+        names its queue as well as its token, so the fields are read, not rebuilt.
         """
-        tokens = [str(t) for first, count in self._uncertain for t in range(first, first + count)]
+        fields = sorted((f for f in self.redis.hkeys(self.inflight_key)
+                         if _claimed_in(f, self._uncertain)), key=_claim_number)
         returned = 0
-        for i in range(0, len(tokens), 4000):
-            returned += int(self._requeue_tokens(keys=[self.inflight_key], args=tokens[i:i + 4000]))
+        for i in range(0, len(fields), 4000):
+            returned += int(self._requeue_tokens(keys=[self.inflight_key], args=fields[i:i + 4000]))
         self._uncertain.clear()
         if returned:
             log.warning("jobs claimed by a fetch whose reply was lost are back on their queues",
@@ -262,10 +264,21 @@ def _units(flat: list[Any], first: int, names: list[str]) -> list[Unit]:
     pos = k + 1
     for name, count in zip(names, flat[1:k + 1]):
         for raw in flat[pos:pos + count]:
-            units.append(Unit(str(token), name, raw))
+            units.append(Unit(f"{token}\n{name}", name, raw))  # the in-flight field
             token += 1
         pos += count
     return units
+
+
+def _claim_number(field: bytes) -> int:
+    """The token number an in-flight field starts with (-1 for a field forkq did not write)."""
+    head = field.split(b"\n", 1)[0]
+    return int(head) if head.isdigit() else -1
+
+
+def _claimed_in(field: bytes, ranges: list[tuple[int, int]]) -> bool:
+    number = _claim_number(field)
+    return any(first <= number < first + count for first, count in ranges)
 
 
 def _undrained(flat: list[Any], want: int, landed: list[str]) -> list[str]:

@@ -297,9 +297,12 @@ def test_a_suspect_claim_puts_back_what_no_thread_holds_and_a_resent_claim_hands
     assert suspect_jids(r) == [fresh["jid"]]
     assert r.hkeys(fetch.inflight_key) == [unit.token.encode()]
 
-    # the same call sent again (its reply lost): the claim it made is handed over again
+    # the same call sent again (its reply lost): the claim it made is handed over again.
+    # The hash entries above are in the form earlier versions wrote ("TOKEN" -> "QUEUE\n
+    # PAYLOAD"); the claim is in today's ("TOKEN\nQUEUE" -> PAYLOAD)
+    assert unit.token == "1\ndefault" and r.hget(fetch.inflight_key, unit.token) == unit.raw
     again = fetch._claim_suspect(keys=[fetch.inflight_key, SUSPECTS],
-                                 args=[unit.token, 0, 0, "forkq:crashes:"])
+                                 args=["1", 0, 0, "forkq:crashes:"])
     assert again[1:] == [unit.token.encode(), b"default", unit.raw]
     assert suspect_jids(r) == [fresh["jid"]]
 

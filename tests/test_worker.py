@@ -140,8 +140,7 @@ def test_long_job_at_stop_goes_back_first_in_line(workers, forkq_client, r, sign
     core_jobs.sleepy.enqueue(30, "long")
     wait_records(r, 1, worker, kind="start")
     core_jobs.record.enqueue("behind")  # waits behind the long job (one processor)
-    (raw,) = r.hvals(f"forkq:inflight:{worker.identity}")
-    original = raw.split(b"\n", 1)[1]
+    (original,) = r.hvals(f"forkq:inflight:{worker.identity}")
 
     sent = time.monotonic()
     worker.signal(signum)
@@ -236,9 +235,9 @@ def test_sigkill_leaves_the_running_job_in_the_private_inflight_hash(workers, fo
     (identity,) = [k.decode() for k in r.hkeys("forkq:owners")]
     assert identity == worker.identity
     assert json.loads(r.hget("forkq:owners", identity))["queues"] == ["default"]
-    (entry,) = r.hvals(f"forkq:inflight:{identity}")
-    queue, raw = entry.split(b"\n", 1)
-    assert queue == b"default"
+    ((field, raw),) = r.hgetall(f"forkq:inflight:{identity}").items()
+    number, queue = field.split(b"\n", 1)  # "TOKEN\nQUEUE" -> PAYLOAD
+    assert number.isdigit() and queue == b"default"
     assert json.loads(raw)["jid"] == jid
     assert not r.exists("queue:default")  # not in the queue: only the private hash has it
 

@@ -4,14 +4,15 @@
 -- empty: whatever is still in it is held by no thread of the process, and goes back before
 -- the claim (a suspect's crash would otherwise count against it too).
 --
--- KEYS[1]   the in-flight hash (token -> "QUEUE\nPAYLOAD")
+-- KEYS[1]   the in-flight hash ("TOKEN\nQUEUE" -> PAYLOAD)
 -- KEYS[2]   the suspects list ("QUEUE\nPAYLOAD" entries; RPOP takes the next)
--- ARGV[1]   the token for the claim
+-- ARGV[1]   the token number for the claim
 -- ARGV[2]   nacks, ARGV[3] ncleared, ARGV[4] crash-count key prefix
--- ARGV[5..] nacks tokens to delete, then ncleared jids of suspects that ran to their end
+-- ARGV[5..] nacks fields to delete, then ncleared jids of suspects that ran to their end
 --           (their crash counts are deleted)
--- Returns {returned} when there is no suspect, else {returned, token, queue, payload};
+-- Returns {returned} when there is no suspect, else {returned, field, queue, payload};
 -- returned counts the leftovers put back.
+--#include entry
 local hash, suspects = KEYS[1], KEYS[2]
 local token = ARGV[1]
 local nacks = tonumber(ARGV[2])
@@ -24,59 +25,58 @@ for i = 5 + nacks, 4 + nacks + ncleared do
   redis.call('DEL', prefix .. ARGV[i])
 end
 
-local function split(v)
-  local cut = string.find(v, "\n", 1, true)
-  return string.sub(v, 1, cut - 1), string.sub(v, cut + 1)
-end
-
+local flat = redis.call('HGETALL', hash)
 -- The same call sent again after a lost reply: the first run's claim is under our token
 -- and no thread has it yet. Hand it over; claiming afresh would leave it stranded.
-local again = redis.call('HGET', hash, token)
-if again then
-  local name, job = split(again)
-  return {0, token, name, job}
+for i = 1, #flat, 2 do
+  if claimed(flat[i]) == tonumber(token) then
+    local name, job = entry(flat[i], flat[i + 1])
+    if name then
+      return {0, flat[i], name, job}
+    end
+  end
 end
 
-local returned = 0
-local flat = redis.call('HGETALL', hash)
+local returned, malformed = 0, 0
 if #flat > 0 then
   local items = {}
   for i = 1, #flat, 2 do
-    items[#items + 1] = {tonumber(flat[i]) or 0, flat[i + 1]}
+    items[#items + 1] = {claimed(flat[i]), flat[i], flat[i + 1]}
   end
   table.sort(items, function(a, b) return a[1] > b[1] end)
   for _, item in ipairs(items) do
-    local v = item[2]
-    local name, job = split(v)
-    local ok, decoded = pcall(cjson.decode, job)
-    if ok and type(decoded) == 'table' and type(decoded['jid']) == 'string'
-        and redis.call('EXISTS', prefix .. decoded['jid']) == 1 then
-      redis.call('RPUSH', suspects, v)
+    local name, job = entry(item[2], item[3])
+    if not name then
+      malformed = malformed + 1
+      malformed_to_dead(item[3], 'in-flight entry of unknown form (field ' .. item[2] .. ')', malformed)
     else
-      redis.call('RPUSH', 'queue:' .. name, job)
+      local ok, decoded = pcall(cjson.decode, job)
+      if ok and type(decoded) == 'table' and type(decoded['jid']) == 'string'
+          and redis.call('EXISTS', prefix .. decoded['jid']) == 1 then
+        redis.call('RPUSH', suspects, name .. "\n" .. job)
+      else
+        redis.call('RPUSH', 'queue:' .. name, job)
+      end
+      returned = returned + 1
     end
-    returned = returned + 1
   end
   redis.call('DEL', hash)
 end
 
 -- An entry that is not "QUEUE\nPAYLOAD" was not written by forkq: it cannot be run or
--- put back anywhere, so it goes to dead with the reason (its bytes kept), and the next one
--- is taken. Left in place it would fail every claim and wedge the worker.
+-- put back anywhere, so it goes to dead, and the next one is taken. Left in place it
+-- would fail every claim and wedge the worker.
 local v = redis.call('RPOP', suspects)
 while v and not string.find(v, "\n", 1, true) do
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-  redis.call('ZADD', 'dead', now, cjson.encode({
-    ['class'] = 'forkq.MalformedJob', args = {}, jid = string.format('%012x%012x', t[1], t[2]),
-    queue = '', retry = false, error_class = 'forkq.MalformedPayload',
-    error_message = 'forkq:suspects entry is not QUEUE<newline>PAYLOAD', failed_at = now,
-    forkq_original = v}))
+  malformed = malformed + 1
+  malformed_to_dead(v, 'forkq:suspects entry is not QUEUE<newline>PAYLOAD', malformed)
   v = redis.call('RPOP', suspects)
 end
 if not v then
   return {returned}
 end
-redis.call('HSET', hash, token, v)
-local name, job = split(v)
-return {returned, token, name, job}
+local cut = string.find(v, "\n", 1, true)
+local name, job = string.sub(v, 1, cut - 1), string.sub(v, cut + 1)
+local field = token .. "\n" .. name
+redis.call('HSET', hash, field, job)
+return {returned, field, name, job}

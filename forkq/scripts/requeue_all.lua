@@ -9,6 +9,8 @@
 -- crash that still has a crash count (a suspect cut off by a stop) goes onto the suspects
 -- list too: back on its queue it would run beside others again.
 --
+-- An in-flight entry in no known form goes to dead with the reason.
+--
 -- KEYS[1] in-flight hash, KEYS[2] owners registry, KEYS[3] suspects list,
 -- KEYS[4..] landing lists
 -- ARGV[1] identity, ARGV[2] crashed (1: count each in-flight job as a suspect in the death)
@@ -16,6 +18,7 @@
 -- ARGV[6..] the queue name of each landing list
 -- Returns {requeued, poisoned, suspects}: requeued counts every job put back to run again,
 -- the suspects among them included.
+--#include entry
 local requeued, poisoned = 0, 0
 local suspects = KEYS[3]
 for i = 4, #KEYS do
@@ -33,7 +36,7 @@ end
 local flat = redis.call('HGETALL', KEYS[1])
 local items = {}
 for i = 1, #flat, 2 do
-  items[#items + 1] = {tonumber(flat[i]) or 0, flat[i + 1]}
+  items[#items + 1] = {claimed(flat[i]), flat[i], flat[i + 1]}
 end
 -- newest first, so the oldest claim ends rightmost: first in line again
 table.sort(items, function(a, b) return a[1] > b[1] end)
@@ -41,37 +44,42 @@ local crashed = ARGV[2] == '1'
 local limit = tonumber(ARGV[3])
 local suspected = {}   -- crash suspects, newest first
 local held = 0         -- suspects put back without a crash
+local malformed = 0
 for _, item in ipairs(items) do
-  local v = item[2]
-  local cut = string.find(v, "\n", 1, true)
-  local name, job = string.sub(v, 1, cut - 1), string.sub(v, cut + 1)
-  local ok, decoded = pcall(cjson.decode, job)
-  local key = nil
-  if ok and type(decoded) == 'table' and type(decoded['jid']) == 'string' then
-    key = ARGV[5] .. decoded['jid']
-  end
-  if crashed and key then
-    local count = redis.call('INCR', key)
-    redis.call('EXPIRE', key, 86400)
-    if count >= limit then
-      decoded['error_class'] = 'forkq.PoisonJob'
-      decoded['error_message'] = 'killed its worker process ' .. count .. ' times'
-      decoded['failed_at'] = tonumber(ARGV[4])
-      -- cjson re-encodes the payload; the original is kept in a field so nothing is lost
-      decoded['forkq_original'] = job
-      redis.call('ZADD', 'dead', ARGV[4], cjson.encode(decoded))
-      redis.call('DEL', key)
-      poisoned = poisoned + 1
-    else
-      suspected[#suspected + 1] = v
-    end
-  elseif key and redis.call('EXISTS', key) == 1 then
-    -- a suspect that was stopped, not crashed: next in line among the suspects again
-    redis.call('RPUSH', suspects, v)
-    held = held + 1
+  local name, job = entry(item[2], item[3])
+  if not name then
+    malformed = malformed + 1
+    malformed_to_dead(item[3], 'in-flight entry of unknown form (field ' .. item[2] .. ')', malformed)
   else
-    redis.call('RPUSH', 'queue:' .. name, job)
-    requeued = requeued + 1
+    local v = name .. "\n" .. job  -- as the suspects list holds it
+    local ok, decoded = pcall(cjson.decode, job)
+    local key = nil
+    if ok and type(decoded) == 'table' and type(decoded['jid']) == 'string' then
+      key = ARGV[5] .. decoded['jid']
+    end
+    if crashed and key then
+      local count = redis.call('INCR', key)
+      redis.call('EXPIRE', key, 86400)
+      if count >= limit then
+        decoded['error_class'] = 'forkq.PoisonJob'
+        decoded['error_message'] = 'killed its worker process ' .. count .. ' times'
+        decoded['failed_at'] = tonumber(ARGV[4])
+        -- cjson re-encodes the payload; the original is kept in a field so nothing is lost
+        decoded['forkq_original'] = job
+        redis.call('ZADD', 'dead', ARGV[4], cjson.encode(decoded))
+        redis.call('DEL', key)
+        poisoned = poisoned + 1
+      else
+        suspected[#suspected + 1] = v
+      end
+    elseif key and redis.call('EXISTS', key) == 1 then
+      -- a suspect that was stopped, not crashed: next in line among the suspects again
+      redis.call('RPUSH', suspects, v)
+      held = held + 1
+    else
+      redis.call('RPUSH', 'queue:' .. name, job)
+      requeued = requeued + 1
+    end
   end
 end
 -- new crash suspects join the far end of the line (a poison job that crashed again waits

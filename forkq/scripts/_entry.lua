@@ -1,0 +1,30 @@
+-- An in-flight entry's queue and payload. forkq writes "TOKEN\nQUEUE" -> PAYLOAD; earlier
+-- versions wrote "TOKEN" -> "QUEUE\nPAYLOAD", which a process of such a version may still
+-- hold when a newer one puts its jobs back. (nil, nil) for an entry in neither form.
+local function entry(field, v)
+  local cut = string.find(field, "\n", 1, true)
+  if cut then
+    return string.sub(field, cut + 1), v
+  end
+  cut = string.find(v, "\n", 1, true)
+  if cut then
+    return string.sub(v, 1, cut - 1), string.sub(v, cut + 1)
+  end
+  return nil, nil
+end
+
+-- the claim order of an entry: its token number
+local function claimed(field)
+  return tonumber(string.match(field, "^%d+")) or 0
+end
+
+-- What forkq cannot run or put back anywhere goes to dead with the reason, its bytes kept:
+-- left in place it would fail every later call. `n` tells apart those sent in one call.
+local function malformed_to_dead(original, reason, n)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+  redis.call('ZADD', 'dead', now, cjson.encode({
+    ['class'] = 'forkq.MalformedJob', args = {}, jid = string.format('%012x%06x%06x', t[1], t[2], n),
+    queue = '', retry = false, error_class = 'forkq.MalformedPayload', error_message = reason,
+    failed_at = now, forkq_original = original}))
+end
