@@ -20,11 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import cores, latency, memory, scaling, throughput  # noqa: E402
+from bench import cores, latency, memory, redis_cost, scaling, throughput  # noqa: E402
 
-FULL = {"jobs": 20_000, "rounds": 5, "recovery_rounds": 5, "latency_jobs": 2000, "scheduled": 200,
+FULL = {"claims": 1000, "jobs": 20_000, "rounds": 5, "recovery_rounds": 5, "latency_jobs": 2000, "scheduled": 200,
         "deep": 1_000_000, "sets": 100_000, "rss_jobs": 100_000, "memory_jobs": 10_000}
-QUICK = {"jobs": 5_000, "rounds": 1, "recovery_rounds": 3, "latency_jobs": 400, "scheduled": 50,
+QUICK = {"claims": 200, "jobs": 5_000, "rounds": 1, "recovery_rounds": 3, "latency_jobs": 400, "scheduled": 50,
          "deep": 200_000, "sets": 20_000, "rss_jobs": 20_000, "memory_jobs": 2_000}
 
 
@@ -87,6 +87,9 @@ def main() -> int:
     # one process at most 1 / c: with both at their limit, the ratio is 2c / (c + r)
     t.add("CPU per job, 1 x 10: child c / Redis r", f"{c:.1f} us / {rd:.1f} us (2c/(c+r) = "
           f"{2 * c / (c + rd):.2f}x)")
+    cost = _stage("redis cost", lambda: redis_cost.measure(n["claims"]))
+    t.add("Redis instructions per claim of 10 jobs (callgrind, user space)",
+          f"{cost['per_claim']:,.0f} ({cost['per_job']:,.0f} per job)" if cost else "skipped: no valgrind")
     each = f" (runs: {', '.join(f'{x:.2f}' for x in f['spin_ratios'])})" if n["rounds"] > 1 else ""
     t.add(f"--processes 2 over 1, jobs of ~{f['spin_child_us']:.0f} us CPU",
           f"{f['spin_ratio']:.2f}x{each}")
