@@ -356,6 +356,29 @@ def test_a_fetch_sent_again_after_a_lost_reply_claims_nothing_twice(own_redis):
         admin.close()
 
 
+@pytest.mark.timeout(10)
+def test_a_resent_claim_naming_a_queue_twice_hands_over_each_job_once(own_redis):
+    """A claim may name a queue twice (its landing list, then the queue itself). The copy
+    of it sent again finds the first run's claims by field, "TOKEN\\nQUEUE": each must come
+    back once, or a job would run twice."""
+    forkq.Client(own_redis.url).push_bulk("Any", [[i] for i in range(4)])
+    admin = own_redis.client()
+    fetch = ReliableFetch(own_redis.client(), "test:1:000000000000", QueueOrder([("default", 0)]),
+                          direct=False)
+    landing = "forkq:landing:test:1:000000000000:default"
+    admin.lmove("queue:default", landing, "RIGHT", "LEFT")  # as a blocking wait does
+    args = [3, 1, 0, 1, 1, "default", "default"]  # want 3 from token 1, no acks, one landing list
+    keys_ = [fetch.inflight_key, landing, "queue:default"]
+    first = fetch._fetch(keys=keys_, args=args)
+    again = fetch._fetch(keys=keys_, args=args)
+    assert first[:3] == [2, 1, 2]  # one job from the landing list, two from the queue
+    fields = again[1::3]
+    assert again[0] == -1 and sorted(fields) == [b"1\ndefault", b"2\ndefault", b"3\ndefault"]
+    assert again[3::3] == first[3:]
+    assert admin.hlen(fetch.inflight_key) == 3 and admin.llen("queue:default") == 1
+    admin.close()
+
+
 @pytest.mark.timeout(30)
 def test_jobs_claimed_by_a_fetch_that_failed_are_put_back(own_redis):
     """The claim timed out (the direct path never resends), but the script ran: those

@@ -40,6 +40,8 @@ if want > 0 and ARGV[5] == '1' then
     if redis.call('HEXISTS', hash, string.format('%d\n%s', token, ARGV[j])) == 1 then
       local out = {-1}
       for t = token, token + want - 1 do
+        -- a queue may be named twice (its landing list, then the queue): a token was used
+        -- for one job, so the first field found is the only one
         for q = names + 1, #ARGV do
           local field = string.format('%d\n%s', t, ARGV[q])
           local v = redis.call('HGET', hash, field)
@@ -47,6 +49,7 @@ if want > 0 and ARGV[5] == '1' then
             out[#out + 1] = field
             out[#out + 1] = ARGV[q]
             out[#out + 1] = v
+            break
           end
         end
       end
