@@ -75,8 +75,7 @@ end
 if not v then
   return {returned}
 end
-local cut = string.find(v, "\n", 1, true)
-local name, job = string.sub(v, 1, cut - 1), string.sub(v, cut + 1)
+local name, job = entry(token, v)  -- a bare token number: v is "QUEUE\nPAYLOAD"
 local field = token .. "\n" .. name
 redis.call('HSET', hash, field, job)
 return {returned, field, name, job}
