@@ -1,20 +1,26 @@
 """Does forkq slow down with a deep queue, big retry/schedule sets, or many jobs run?
 
-    python bench/scaling.py [--deep 1000000] [--sets 100000] [--rss-jobs 100000]
+    python bench/scaling.py [--deep 1000000] [--sets 100000] [--rss-jobs 100000] [--rounds 5]
 
 Prints, for `--processes 2 --concurrency 10` and no-op jobs: throughput over 60,000 jobs
 with 60,000 waiting, with --deep waiting, and with --sets future entries in each of
 `retry` and `schedule`; and a child's RSS after 10% and after all of --rss-jobs jobs.
 The window is 60,000 jobs, not 20,000: at 40,000 jobs/s a half-second window measured
 the fetchers' wake-up more than the queue, and moved by 30% from run to run.
+
+The three settings run in rounds, back to back, and each comparison is the median of the
+rounds' own ratios: run one after the other, once each, a slow spell of this shared host
+landing on one of them moved the comparison by up to 40%.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -25,6 +31,10 @@ from bench import jobs  # noqa: E402
 from bench.common import PrivateRedis, start_master, stop_master  # noqa: E402
 
 WINDOW = 60_000
+# where each setting's jobs and sets wait between its windows: RENAME swaps them in and
+# out in O(1), so a million jobs are enqueued once, not once per round
+STAGED = {"base": "queue:staged-base", "deep": "queue:staged-deep", "sets": "queue:staged-base"}
+SETS = ("retry", "schedule")
 
 
 def fill(r, n: int, queue: str = "bench") -> None:
@@ -33,12 +43,18 @@ def fill(r, n: int, queue: str = "bench") -> None:
         noop.enqueue_many([()] * min(100_000, n - start))
 
 
-def rate_over_window(r, waiting: int, processes: int = 2) -> float:
-    """Jobs/s over the first WINDOW jobs taken from a queue `waiting` deep, once every
-    child is up: the jobs wait under another name and are renamed into place (O(1)), so
-    the window does not start while the second child is still booting."""
-    r.client.delete("queue:bench", "queue:staged")
-    fill(r, waiting, queue="staged")
+def top_up(r, key: str, n: int) -> None:
+    """Refill the staged list `key` ("queue:NAME") to `n` jobs."""
+    missing = n - r.client.llen(key)
+    if missing > 0:
+        fill(r, missing, queue=key.removeprefix("queue:"))
+
+
+def rate_over_window(r, staged: str, processes: int = 2) -> float:
+    """Jobs/s over the first WINDOW jobs taken from the jobs waiting in `staged`, once
+    every child is up: they are renamed into place (O(1)), so the window does not start
+    while the second child is still booting. What is left goes back to `staged`."""
+    waiting = r.client.llen(staged)
     master = start_master(r.url, "--require", "bench/jobs.py", "--queue", "bench", "--processes",
                           str(processes), "--concurrency", "10", "--log-level", "warning")
     try:
@@ -49,7 +65,7 @@ def rate_over_window(r, waiting: int, processes: int = 2) -> float:
             time.sleep(0.01)
         time.sleep(1.0)  # every fetcher settles into its blocking wait
         t0 = time.monotonic()
-        r.client.rename("queue:staged", "queue:bench")
+        r.client.rename(staged, "queue:bench")
         r.client.lpush("queue:bench", r.client.lindex("queue:bench", 0))  # wakes the blocked fetchers
         target = waiting - WINDOW
         while r.client.llen("queue:bench") > target:
@@ -57,7 +73,8 @@ def rate_over_window(r, waiting: int, processes: int = 2) -> float:
         return WINDOW / (time.monotonic() - t0)
     finally:
         stop_master(master)
-        r.client.delete("queue:bench")
+        if r.client.exists("queue:bench"):
+            r.client.rename("queue:bench", staged)
 
 
 def rss_over(r, n: int) -> tuple[float, float]:
@@ -79,21 +96,40 @@ def rss_over(r, n: int) -> tuple[float, float]:
         stop_master(master)
 
 
-def measure(deep: int = 1_000_000, sets: int = 100_000, rss_jobs: int = 100_000) -> dict[str, float]:
+def measure(deep: int = 1_000_000, sets: int = 100_000, rss_jobs: int = 100_000,
+            rounds: int = 5) -> dict[str, Any]:
     """Processing rate with WINDOW, `deep` waiting, and `sets` entries in retry and
-    schedule; a child's RSS early and late over `rss_jobs` jobs."""
-    out: dict[str, float] = {}
+    schedule, in `rounds` rounds; a child's RSS early and late over `rss_jobs` jobs."""
+    out: dict[str, Any] = {}
     with PrivateRedis() as r:
-        out["base"] = rate_over_window(r, WINDOW)
-        out["deep"] = rate_over_window(r, deep)
         future = time.time() + 86_400
-        for key in ("retry", "schedule"):
+        for key in SETS:
             pipe = r.client.pipeline(transaction=False)
             for i in range(sets):
-                pipe.zadd(key, {f'{{"class":"bench.jobs.noop","args":[],"jid":"{i:024x}","queue":"bench"}}': future + i})
+                pipe.zadd(f"staged-{key}", {f'{{"class":"bench.jobs.noop","args":[],"jid":"{i:024x}","queue":"bench"}}': future + i})
             pipe.execute()
-        out["sets"] = rate_over_window(r, WINDOW)
-        r.client.delete("retry", "schedule")
+        size = {"base": WINDOW, "deep": deep, "sets": WINDOW}
+        rates: dict[str, list[float]] = {name: [] for name in size}
+        for i in range(rounds):
+            # a different setting goes first each round: a drift across a round does not
+            # always favour the same one
+            order = list(size)[i % 3:] + list(size)[:i % 3]
+            for name in order:
+                top_up(r, STAGED[name], size[name])
+                if name == "sets":
+                    for key in SETS:
+                        r.client.rename(f"staged-{key}", key)
+                try:
+                    rates[name].append(rate_over_window(r, STAGED[name]))
+                finally:
+                    if name == "sets":
+                        for key in SETS:
+                            r.client.rename(key, f"staged-{key}")
+        for name in ("deep", "sets"):
+            out[f"{name}_ratios"] = [x / b for x, b in zip(rates[name], rates["base"])]
+            out[name] = statistics.median(out[f"{name}_ratios"]) - 1
+        out["base"] = statistics.median(rates["base"])
+        r.client.delete(*STAGED.values(), *(f"staged-{key}" for key in SETS))
         out["rss_early_mb"], out["rss_late_mb"] = rss_over(r, rss_jobs)
     return out
 
@@ -103,13 +139,14 @@ def main() -> None:
     p.add_argument("--deep", type=int, default=1_000_000)
     p.add_argument("--sets", type=int, default=100_000)
     p.add_argument("--rss-jobs", type=int, default=100_000)
+    p.add_argument("--rounds", type=int, default=5)
     a = p.parse_args()
-    f = measure(a.deep, a.sets, a.rss_jobs)
-    base = f["base"]
-    print(f"{WINDOW:,} waiting:                      {base:8,.0f} jobs/s")
-    print(f"{a.deep:,} waiting:                  {f['deep']:8,.0f} jobs/s ({100 * (f['deep'] / base - 1):+.0f}%)")
-    print(f"{WINDOW:,} waiting, {a.sets:,} in retry and schedule: {f['sets']:8,.0f} jobs/s "
-          f"({100 * (f['sets'] / base - 1):+.0f}%)")
+    f = measure(a.deep, a.sets, a.rss_jobs, a.rounds)
+    print(f"{WINDOW:,} waiting:                      {f['base']:8,.0f} jobs/s (median of {a.rounds})")
+    for name, what in (("deep", f"{a.deep:,} waiting"),
+                       ("sets", f"{WINDOW:,} waiting, {a.sets:,} in retry and schedule")):
+        print(f"{what}: {100 * f[name]:+.0f}% (rounds: "
+              f"{', '.join(f'{100 * (x - 1):+.0f}%' for x in f[name + '_ratios'])})")
     print(f"child RSS after {a.rss_jobs // 10:,} jobs {f['rss_early_mb']:.1f} MB, "
           f"after {a.rss_jobs:,} jobs {f['rss_late_mb']:.1f} MB")
 

@@ -83,13 +83,21 @@ def children_cpu(children: list[psutil.Process]) -> float:
     return sum(t.user + t.system for t in (c.cpu_times() for c in children))
 
 
+def machine_busy() -> float:
+    """CPU seconds the whole machine has spent busy (every core, every process): with
+    Redis on the same cores, what the children leave idle is what a second process can
+    use. psutil reads /proc/stat; idle and iowait are the time nothing ran."""
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+
 def bench_process(r, n: int, processes: int, concurrency: int, log_level: str,
                   job: Any = jobs.noop, args: tuple = ()) -> tuple[float, ...]:
     """Jobs/s and Redis commands per job over `n` no-op jobs, timed from their arrival on
     the queue with every child up and waiting: the workers' pace, not how fast children
     boot (timing from the first claim counted the second child's start-up against
-    --processes 2, by up to a tenth of a 20,000-job window). Also the children's and
-    Redis's CPU seconds per job over the window."""
+    --processes 2, by up to a tenth of a 20,000-job window). Also the children's,
+    Redis's and the whole machine's CPU seconds per job over the window."""
     r.client.delete("queue:bench", "queue:staged")
     client = forkq.Client(r.url)
     job.options(client=client, queue="staged").enqueue_many([args] * (n - 1))
@@ -101,7 +109,7 @@ def bench_process(r, n: int, processes: int, concurrency: int, log_level: str,
         wait_ready(r.client, processes)
         wait_blocked(r.client, processes)
         children = psutil.Process(proc.pid).children()
-        cpu0, rcpu0 = children_cpu(children), redis_cpu(r)
+        cpu0, rcpu0, busy0 = children_cpu(children), redis_cpu(r), machine_busy()
         c0 = r.commands()
         t0 = time.monotonic()
         # RENAME puts n - 1 jobs in place at once; the push of the last one wakes the
@@ -110,13 +118,13 @@ def bench_process(r, n: int, processes: int, concurrency: int, log_level: str,
         last.enqueue(*args)
         t1 = wait_drained(r.client, "bench", 300)
         c1 = r.commands()
-        cpu1, rcpu1 = children_cpu(children), redis_cpu(r)
+        cpu1, rcpu1, busy1 = children_cpu(children), redis_cpu(r), machine_busy()
         leftover = r.client.zcard("retry") + r.client.zcard("dead")
         if leftover:
             raise SystemExit(f"{leftover} jobs failed: the benchmark is not measuring what it says")
     finally:
         stop_master(proc)
-    return n / (t1 - t0), (c1 - c0) / n, (cpu1 - cpu0) / n, (rcpu1 - rcpu0) / n
+    return n / (t1 - t0), (c1 - c0) / n, (cpu1 - cpu0) / n, (rcpu1 - rcpu0) / n, (busy1 - busy0) / n
 
 
 def bench_recovery(r, processes: int, concurrency: int, rounds: int) -> list[float]:
@@ -199,6 +207,9 @@ def measure(jobs_n: int = 20_000, processes: int = 2, concurrency: int = 10,
             out[f"commands_{key}"] = statistics.median(run[1] for run in runs[key])
             out[f"child_us_{key}"] = statistics.median(run[2] for run in runs[key]) * 1e6
             out[f"redis_us_{key}"] = statistics.median(run[3] for run in runs[key]) * 1e6
+            out[f"machine_us_{key}"] = statistics.median(run[4] for run in runs[key]) * 1e6
+            # cores busy over the window: CPU per job times jobs per second
+            out[f"busy_{key}"] = statistics.median(run[4] * run[0] for run in runs[key])
         out["ratios"] = [two[0] / one[0] for two, one in zip(runs["warning"], runs["1"])]
         out["ratio"] = statistics.median(out["ratios"])
         out["spin_ratios"] = [two[0] / one[0] for two, one in zip(runs["spin"], runs["spin1"])]
@@ -232,6 +243,8 @@ def main() -> None:
     print(f"CPU per job, --processes {a.processes} (warning): children {f['child_us_warning']:.1f} us, "
           f"Redis {f['redis_us_warning']:.1f} us; --processes 1: children {f['child_us_1']:.1f} us, "
           f"Redis {f['redis_us_1']:.1f} us")
+    print(f"cores busy, whole machine: --processes {a.processes} {f['busy_warning']:.2f}, "
+          f"--processes 1 {f['busy_1']:.2f} (of {psutil.cpu_count()})")
     print(f"--processes {a.processes} over 1: {f['ratio']:.2f}x (median of "
           f"{', '.join(f'{x:.2f}' for x in f['ratios'])})")
     print(f"--processes {a.processes} over 1, jobs of spin({SPIN}): {f['spin_ratio']:.2f}x (median of "
