@@ -1,7 +1,7 @@
 """Every benchmark scenario in one run, and one table of figures against issue 7's targets.
 
-    python -m bench           # the full run (about 5 minutes on 2 cores)
-    python -m bench --quick   # smaller counts, about 1.5 minutes: a smoke test of the figures
+    python -m bench           # the full run (about 2.5 minutes on 2 cores)
+    python -m bench --quick   # smaller counts, under a minute: a smoke test of the figures
 
 Each scenario starts its own private redis-server on a free loopback port and its own
 forkq masters. Nothing here asserts: a figure that misses its target is marked, and the
