@@ -123,7 +123,9 @@ def test_another_hosts_dead_forkq_is_recovered_within_the_delay(instances, r, re
     forkq.Client(redis_url).push_bulk("orphan.work", [[f"j{i}", 1] for i in range(4)], queue="a-only")
     # b does not work a-only: only recovery can make these jobs run, and b must not take them early
     a_identities = set(_owners_on(r, "forkq-test-host-a"))
-    forkq.Client(redis_url).push_bulk("orphan.work", [[f"k{i}", 30] for i in range(4)])
+    # eight: b's four threads can hold only four, so some are left for a (with four, an idle
+    # b could claim them all before a's fetchers woke, and a would hold nothing)
+    forkq.Client(redis_url).push_bulk("orphan.work", [[f"k{i}", 30] for i in range(8)])
     wait_until(lambda: sum(r.hlen(keys.inflight(i)) for i in a_identities) >= 1, timeout=10,
                message="a holds jobs")
     # registration comes before the first heartbeat: wait until every child has beaten
