@@ -111,7 +111,7 @@ def main() -> int:
                        ("sets", f"{n['sets']:,} in retry and in schedule")):
         each = (f" (rounds: {', '.join(f'{100 * (x - 1):+.0f}%' for x in f[name + '_ratios'])})"
                 if n["rounds"] > 1 else "")
-        t.add(what, f"{100 * f[name]:+.0f}%{each}", "within 10%", f[name] >= -0.10)
+        t.add(what, f"{100 * f[name + '_change']:+.0f}%{each}", "within 10%", f[name + "_change"] >= -0.10)
     growth = f["rss_late_mb"] - f["rss_early_mb"]
     t.add(f"child RSS, {n['rss_jobs'] // 10:,} -> {n['rss_jobs']:,} jobs",
           f"{f['rss_early_mb']:.1f} -> {f['rss_late_mb']:.1f} MB", "flat (< 2 MB growth)", growth < 2)

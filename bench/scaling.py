@@ -127,7 +127,7 @@ def measure(deep: int = 1_000_000, sets: int = 100_000, rss_jobs: int = 100_000,
                             r.client.rename(key, f"staged-{key}")
         for name in ("deep", "sets"):
             out[f"{name}_ratios"] = [x / b for x, b in zip(rates[name], rates["base"])]
-            out[name] = statistics.median(out[f"{name}_ratios"]) - 1
+            out[f"{name}_change"] = statistics.median(out[f"{name}_ratios"]) - 1
         out["base"] = statistics.median(rates["base"])
         r.client.delete(*STAGED.values(), *(f"staged-{key}" for key in SETS))
         out["rss_early_mb"], out["rss_late_mb"] = rss_over(r, rss_jobs)
@@ -145,7 +145,7 @@ def main() -> None:
     print(f"{WINDOW:,} waiting:                      {f['base']:8,.0f} jobs/s (median of {a.rounds})")
     for name, what in (("deep", f"{a.deep:,} waiting"),
                        ("sets", f"{WINDOW:,} waiting, {a.sets:,} in retry and schedule")):
-        print(f"{what}: {100 * f[name]:+.0f}% (rounds: "
+        print(f"{what}: {100 * f[name + '_change']:+.0f}% (rounds: "
               f"{', '.join(f'{100 * (x - 1):+.0f}%' for x in f[name + '_ratios'])})")
     print(f"child RSS after {a.rss_jobs // 10:,} jobs {f['rss_early_mb']:.1f} MB, "
           f"after {a.rss_jobs:,} jobs {f['rss_late_mb']:.1f} MB")

@@ -207,7 +207,6 @@ def measure(jobs_n: int = 20_000, processes: int = 2, concurrency: int = 10,
             out[f"commands_{key}"] = statistics.median(run[1] for run in runs[key])
             out[f"child_us_{key}"] = statistics.median(run[2] for run in runs[key]) * 1e6
             out[f"redis_us_{key}"] = statistics.median(run[3] for run in runs[key]) * 1e6
-            out[f"machine_us_{key}"] = statistics.median(run[4] for run in runs[key]) * 1e6
             # cores busy over the window: CPU per job times jobs per second
             out[f"busy_{key}"] = statistics.median(run[4] * run[0] for run in runs[key])
         out["ratios"] = [two[0] / one[0] for two, one in zip(runs["warning"], runs["1"])]
