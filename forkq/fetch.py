@@ -14,7 +14,6 @@ alone, and deletes the crash counts of suspects that ran to their end.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import socket
@@ -58,7 +57,6 @@ class ReliableFetch:
         self._requeue_all = scripts.load(client, "requeue_all")
         self._claim_suspect = scripts.load(client, "claim_suspect")
         self._return_suspect = scripts.load(client, "return_suspect")
-        self._tokens = itertools.count(1)
         self._next_token = 1
         self._acks: deque[str] = deque()
         self.owner_json: str | None = None  # set by register(); the heartbeat re-asserts it
@@ -91,10 +89,10 @@ class ReliableFetch:
         order = self.order() if want > 0 else []
         keys_ = [self.inflight_key] + [self._landing_keys[q] for q in landed]
         keys_ += [keys.queue(q) for q in order]
-        first = self._next_token
-        self._next_token += max(want, 0)
+        first = -(-self._next_token // 10) * 10  # a multiple of ten: fetch.lua formats fewer digits
+        self._next_token = first + max(want, 0)
         names = landed + order
-        argv: list[Any] = [want, first, len(acks), len(landed), self._resend, *acks, *names]
+        argv: list[Any] = [want, len(acks), self._resend, first, *acks, *names]
         try:
             flat = self._claim(keys_, argv)
         except Exception:
@@ -110,7 +108,7 @@ class ReliableFetch:
             self._landed.update(_undrained(flat, want, landed))
         return units
 
-    def _claim(self, keys_: list[str], argv: list[Any]) -> list[bytes]:
+    def _claim(self, keys_: list[str], argv: list[Any]) -> list[Any]:
         if self._new_conn is None:
             return self._fetch(keys=keys_, args=argv)
         if self._conn is None:
@@ -253,20 +251,21 @@ class ReliableFetch:
 
 
 def _units(flat: list[Any], first: int, names: list[str]) -> list[Unit]:
-    """The fetch script's reply as Units: per-key counts then the payloads, numbered from
-    `first`; or, from a resend that found its first run's claims, (token, queue, payload)."""
-    k = flat[0]
-    if k == -1:
+    """The fetch script's reply as Units: a count per key tried, then each key's jobs,
+    numbered from `first`; or, from a resend that found its first run's claims, (field,
+    queue, payload) triples."""
+    head = flat[0]
+    if head == -1:
         return [Unit(flat[i].decode(), flat[i + 1].decode(), flat[i + 2])
                 for i in range(1, len(flat), 3)]
     units = []
     token = first
-    pos = k + 1
-    for name, count in zip(names, flat[1:k + 1]):
-        for raw in flat[pos:pos + count]:
-            units.append(Unit(f"{token}\n{name}", name, raw))  # the in-flight field
-            token += 1
-        pos += count
+    got = iter(flat[1:])
+    for name, count in zip(names, head):
+        if count:
+            for raw in next(got):
+                units.append(Unit(f"{token}\n{name}", name, raw))  # the in-flight field
+                token += 1
     return units
 
 
@@ -285,16 +284,16 @@ def _undrained(flat: list[Any], want: int, landed: list[str]) -> list[str]:
     """The landing lists a claim may have left jobs in: those it did not reach, and those
     that gave all it asked of them. Draining an empty one again on every claim cost an RPOP
     per claim (a fifth of the Redis commands per job)."""
-    k = flat[0]
-    if k == -1:
+    head = flat[0]
+    if head == -1:
         return landed  # a resend's reply says nothing about them
     left = []
     asked = want
     for i, queue in enumerate(landed):
-        if i >= k:
+        if i >= len(head):
             left.extend(landed[i:])
             break
-        got = flat[1 + i]
+        got = head[i]
         if got >= asked:
             left.append(queue)
         asked -= got

@@ -367,14 +367,15 @@ def test_a_resent_claim_naming_a_queue_twice_hands_over_each_job_once(own_redis)
                           direct=False)
     landing = "forkq:landing:test:1:000000000000:default"
     admin.lmove("queue:default", landing, "RIGHT", "LEFT")  # as a blocking wait does
-    args = [3, 1, 0, 1, 1, "default", "default"]  # want 3 from token 1, no acks, one landing list
+    # want 3, no acks, may be a resend, from token 1; the landing list's queue, the queue
+    args = [3, 0, 1, 1, "default", "default"]
     keys_ = [fetch.inflight_key, landing, "queue:default"]
     first = fetch._fetch(keys=keys_, args=args)
     again = fetch._fetch(keys=keys_, args=args)
-    assert first[:3] == [2, 1, 2]  # one job from the landing list, two from the queue
+    assert first[0] == [1, 2]  # one job from the landing list, two from the queue
     fields = again[1::3]
     assert again[0] == -1 and sorted(fields) == [b"1\ndefault", b"2\ndefault", b"3\ndefault"]
-    assert again[3::3] == first[3:]
+    assert again[3::3] == first[1] + first[2]
     assert admin.hlen(fetch.inflight_key) == 3 and admin.llen("queue:default") == 1
     admin.close()
 
@@ -404,6 +405,44 @@ def test_jobs_claimed_by_a_fetch_that_failed_are_put_back(own_redis):
         assert admin.hlen(fetch.inflight_key) == 4
     finally:
         conn.close()
+        admin.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_fields_a_claim_writes_are_the_tokens_its_jobs_carry(own_redis):
+    """The script writes each job's in-flight field ("TOKEN\\nQUEUE") itself, building the
+    token's digits from its tens; the worker names the same field when it acknowledges. A
+    field that differed would leave a finished job in flight, to run again after a crash."""
+    admin = own_redis.client()
+    client = forkq.Client(own_redis.url)
+    fetch = ReliableFetch(own_redis.client(), "test:1:000000000000", QueueOrder([("default", 0)]))
+    landing = "forkq:landing:test:1:000000000000:default"
+    try:
+        # straight through the script, from tokens that are not multiples of ten, across a
+        # tens boundary, and split between a landing list and the queue
+        for first in (1, 7, 95, 1009):
+            client.push_bulk("Any", [[i] for i in range(12)])
+            for _ in range(4):
+                admin.lmove("queue:default", landing, "RIGHT", "LEFT")
+            reply = fetch._fetch(keys=[fetch.inflight_key, landing, "queue:default"],
+                                 args=[12, 0, 0, first, "default", "default"])
+            assert reply[0] == [4, 8]
+            assert sorted(admin.hkeys(fetch.inflight_key)) == sorted(
+                f"{t}\ndefault".encode() for t in range(first, first + 12))
+            admin.delete(fetch.inflight_key)
+        # and through the fetcher, claims of changing sizes, each acknowledged by its tokens
+        client.push_bulk("Any", [[i] for i in range(60)])
+        fetch._next_token = 3
+        for want in (7, 10, 13, 1, 9, 20):
+            units = fetch.fetch(want)
+            assert len(units) == want
+            assert sorted(admin.hkeys(fetch.inflight_key)) == sorted(u.token.encode() for u in units)
+            for unit in units:
+                fetch.ack(unit.token)
+            fetch.flush_acks()
+            assert admin.exists(fetch.inflight_key) == 0
+    finally:
+        fetch.close()
         admin.close()
 
 
