@@ -180,10 +180,11 @@ SPIN = 2500  # loop turns of bench.jobs.spin: about 0.2 ms of CPU on this projec
 
 
 def measure(jobs_n: int = 20_000, processes: int = 2, concurrency: int = 10,
-            recovery_rounds: int = 5, rounds: int = 3) -> dict[str, Any]:
+            recovery_rounds: int = 5, rounds: int = 3, ratio_rounds: int = 0) -> dict[str, Any]:
     """Every figure of this benchmark, on a private Redis. Each processing figure is the
     median of `rounds` runs, interleaved so that a busy spell on the machine does not
-    land on one setting only; the scaling ratio is the median of the rounds' ratios."""
+    land on one setting only; the scaling ratio is the median of the rounds' ratios, over
+    `ratio_rounds` rounds if more: single rounds of it range from about 1.2x to 2x here."""
     out: dict[str, Any] = {}
     with PrivateRedis() as r:
         out["enqueue_many"], out["enqueue"] = bench_enqueue(r, jobs_n)
@@ -202,6 +203,10 @@ def measure(jobs_n: int = 20_000, processes: int = 2, concurrency: int = 10,
                 r.client.flushall()
                 runs[key].append(bench_process(r, spin_n, procs, concurrency, "warning",
                                                jobs.spin, (SPIN,)))
+        for _ in range(ratio_rounds - rounds):
+            for key, procs in (("warning", processes), ("1", 1)):
+                r.client.flushall()
+                runs[key].append(bench_process(r, jobs_n, procs, concurrency, "warning"))
         for key in ("warning", "info", "1"):
             out[f"process_{key}"] = statistics.median(run[0] for run in runs[key])
             out[f"commands_{key}"] = statistics.median(run[1] for run in runs[key])
