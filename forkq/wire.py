@@ -2,14 +2,15 @@
 
 A command through execute_command spends about as long in the library's bookkeeping
 (pool checkout, observability hooks, the retry wrapper) as in the round trip itself.
-The two calls forkq makes most, a single push and the worker's claim, pack the command
-and read the reply on a connection built from the client's own pool settings (so TLS,
+The two calls forkq makes most, a push and the worker's claim, pack their commands
+and read the replies on a connection built from the client's own pool settings (so TLS,
 unix sockets and ACL users work), and never resend: a connection that broke after the
 command went out raises `Unanswered`, since the command may have run.
 """
 
 from __future__ import annotations
 
+import select
 from collections.abc import Callable
 from typing import Any
 
@@ -47,14 +48,21 @@ def run_script(conn: AbstractConnection, sha: str, body: str, args: tuple) -> An
         raise
 
 
-def _run_script(conn: AbstractConnection, sha: str, body: str, args: tuple) -> Any:
+def run_commands(conn: AbstractConnection, *commands: tuple) -> Any:
+    """Send `commands` in one write and read every reply; return the last one's. Failures
+    as in run_script: an error reply (raised once every reply is read) leaves the
+    connection in step, anything else disconnects it."""
     try:
-        # an idle connection the server closed (restart, timeout) reads as EOF here;
-        # reconnect before sending rather than lose the command to a dead socket
-        if getattr(conn, "_sock", None) is not None and conn.can_read():
-            conn.disconnect()
-    except redis.ConnectionError:
+        return _run_commands(conn, commands)
+    except redis.ResponseError:
+        raise
+    except BaseException:
         conn.disconnect()
+        raise
+
+
+def _run_script(conn: AbstractConnection, sha: str, body: str, args: tuple) -> Any:
+    _drop_if_closed(conn)
     conn.send_packed_command(_pack(conn, "EVALSHA", sha, *args), check_health=False)
     try:
         try:
@@ -64,6 +72,38 @@ def _run_script(conn: AbstractConnection, sha: str, body: str, args: tuple) -> A
             return conn.read_response()
     except redis.ConnectionError as exc:  # (a TimeoutError is not one: it stays as it is)
         raise Unanswered(str(exc)) from exc
+
+
+def _run_commands(conn: AbstractConnection, commands: tuple[tuple, ...]) -> Any:
+    _drop_if_closed(conn)
+    packed = [chunk for command in commands for chunk in _pack(conn, *command)]
+    conn.send_packed_command([b"".join(packed)], check_health=False)  # one write
+    try:
+        error = reply = None
+        for _ in commands:
+            try:
+                reply = conn.read_response()
+            except redis.ResponseError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return reply
+    except redis.ConnectionError as exc:
+        raise Unanswered(str(exc)) from exc
+
+
+def _drop_if_closed(conn: AbstractConnection) -> None:
+    """An idle connection the server closed (restart, timeout) would take the command and
+    lose it: anything readable on a connection at rest (EOF, an error) means reconnect
+    before sending. One poll: redis-py's can_read costs several times more."""
+    sock = getattr(conn, "_sock", None)
+    if sock is None:
+        return
+    pending = getattr(sock, "pending", None)  # TLS: bytes decrypted and buffered already
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    if (pending is not None and pending()) or poller.poll(0):
+        conn.disconnect()
 
 
 def _pack(conn: AbstractConnection, *args: Any) -> Any:

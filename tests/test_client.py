@@ -366,6 +366,29 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_without_a_duplica
     assert [j["args"] for j in _queue(r)] == [[1], [2]]
 
 
+@pytest.mark.timeout(30)
+def test_a_push_refused_by_redis_raises_and_leaves_the_connection_in_step(redis_url, r):
+    """A push is two commands in one write (SADD, LPUSH): when either is refused, every
+    reply is still read, so the connection's next command gets its own reply."""
+    from forkq import wire
+    client = forkq.Client(redis_url)
+    assert client.push("X", [1])
+    r.set("queue:taken", "not a list")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        client.push("X", [2], queue="taken")
+    assert client.push("X", [3])
+    assert [j["args"] for j in _queue(r)] == [[1], [3]]
+    # the first of the two refused: the second's reply must not be left for the next caller
+    conn = wire.connection_factory(client.redis)()
+    try:
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            wire.run_commands(conn, ("SADD", "queue:taken", "x"), ("LPUSH", "queue:other", "y"))
+        assert wire.run_commands(conn, ("ECHO", "mine")) == b"mine"
+    finally:
+        conn.disconnect()
+    assert r.lrange("queue:other", 0, -1) == [b"y"]
+
+
 @pytest.mark.timeout(60)
 def test_threads_share_a_client_and_every_push_lands_once(redis_url, r):
     import threading
