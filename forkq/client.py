@@ -258,15 +258,8 @@ class Client:
         if len(by_queue) == 1:
             ((q, raws),) = by_queue.items()
             self._send(lambda c: self._pushers.push(q, raws))
-            return [j["jid"] for j in jobs]
-
-        def pipelined(c: redis.Redis) -> list[Any]:
-            pipe = c.pipeline(transaction=False)
-            for q, raws in by_queue.items():
-                pipe.sadd(keys.QUEUES, q)
-                pipe.lpush(keys.queue(q), *raws)
-            return pipe.execute()
-        self._send(pipelined)
+        else:
+            self._send(lambda c: _push_pipelined(c, by_queue))
         return [j["jid"] for j in jobs]
 
     def _through_middleware(self, job: dict[str, Any]) -> dict[str, Any] | None:
@@ -303,11 +296,14 @@ class Client:
         raise AssertionError("unreachable")
 
 
-def _push_pipelined(conn: redis.Redis, queue_name: str, raws: list[Any]) -> Any:
+def _push_pipelined(conn: redis.Redis, by_queue: dict[str, list[Any]]) -> list[Any]:
+    """SADD and LPUSH for each queue, through redis-py: several queues at once, or one
+    under Sentinel (whose connections only redis-py's own path drives)."""
     pipe = conn.pipeline(transaction=False)
-    pipe.sadd(keys.QUEUES, queue_name)
-    pipe.lpush(keys.queue(queue_name), *raws)
-    return pipe.execute()[-1]
+    for queue_name, raws in by_queue.items():
+        pipe.sadd(keys.QUEUES, queue_name)
+        pipe.lpush(keys.queue(queue_name), *raws)
+    return pipe.execute()
 
 
 class _Pushers:
@@ -330,7 +326,7 @@ class _Pushers:
 
     def push(self, queue_name: str, raws: list[Any]) -> Any:
         if self._client is not None:
-            return _push_pipelined(self._client, queue_name, raws)
+            return _push_pipelined(self._client, {queue_name: raws})[-1]
         try:
             conn = self._idle.pop()
         except IndexError:
