@@ -27,8 +27,11 @@ class Instance:
 
     def __init__(self, url: str, tmp: Path, name: str, *args: str, host: str | None = None) -> None:
         self.log = tmp / f"{name}.log"
+        # --timeout 1: the jobs here sleep for up to 30 s, and a teardown that waited out the
+        # default 25 s for them would only slow the suite
         cmd = [sys.executable, "-m", "forkq", "start", "--require", str(APP), "--log-format", "json",
-               "--pidfile", str(tmp / f"{name}.pid"), "--heartbeat-interval", "0.5", *args]
+               "--pidfile", str(tmp / f"{name}.pid"), "--heartbeat-interval", "0.5", "--timeout", "1",
+               *args]
         if host is not None:
             # a forkq that believes it runs on another host: only the heartbeat rule applies
             cmd = ["unshare", "--uts", "sh", "-c", f'hostname {host} && exec "$@"', "sh", *cmd]
