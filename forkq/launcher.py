@@ -54,22 +54,19 @@ class Launcher:
         self._stop.set()
 
     def stop(self) -> None:
-        """Final flush: stats, leave `processes`, drop the running-jobs hash."""
+        """End the heartbeat thread; final_flush() then writes what it would have."""
         self._stopping = True
         self._stop.set()
         self._thread.join(5)
-        for attempt in range(20):
-            try:
-                pipe = self.redis.pipeline(transaction=True)
-                self._stats(pipe)
-                pipe.srem(keys.PROCESSES, self.identity)
-                pipe.unlink(keys.workers(self.identity), keys.work(self.identity))
-                pipe.execute()
-                self._flushed = self._pending
-                return
-            except REDIS_ERRORS:
-                time.sleep(0.25)
-        log.error("could not write final stats: Redis unreachable")
+
+    def final_flush(self) -> None:
+        """The last stats, leave `processes`, drop the running-jobs hash (one try)."""
+        pipe = self.redis.pipeline(transaction=True)
+        self._stats(pipe)
+        pipe.srem(keys.PROCESSES, self.identity)
+        pipe.unlink(keys.workers(self.identity), keys.work(self.identity))
+        pipe.execute()
+        self._flushed = self._pending
 
     _stopping = False
     _pending = (0, 0)

@@ -33,6 +33,7 @@ from .fetch import ReliableFetch, Unit, Waiters
 from .processor import Processor
 from .queues import QueueOrder
 from .retry import Outcomes
+from .settings import STOP_PATIENCE_S
 
 log = logs.get("forkq.manager")
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
@@ -317,23 +318,48 @@ class Manager:
         if self._asleep:
             self._wake.set()  # only while isolating, or while processors may not claim
 
-    def write(self, fn: Callable[..., Any], *args: Any, patience: float | None = None) -> Any:
-        """Run a Redis write, riding out an outage with backoff; gives up at a hard stop, or
-        after `patience` seconds when what it writes has a later chance (the final requeue)."""
+    def write(self, fn: Callable[..., Any], *args: Any, patient: bool = False) -> Any:
+        """Run a Redis write, riding out an outage with backoff until a hard stop.
+
+        A `patient` write has a later chance (the master's or orphan recovery's requeue), so
+        it gives up sooner: the patient writes share one wait of STOP_PATIENCE_S from the
+        first failure among them (ended early by limit_patience), and once that is spent,
+        each further one is tried once. Five stop-time writes against a Redis that is gone
+        wait seconds, not five times as long, and a stopping child ends before its master
+        kills it. A success ends the wait: the next outage gets a new one."""
         delay = 0.05
-        give_up = None if patience is None else time.monotonic() + patience
         while True:
             try:
                 result = fn(*args)
             except REDIS_ERRORS as exc:
-                if self.hard_stopped or (give_up is not None and time.monotonic() > give_up):
-                    raise
+                if self.hard_stopped and not patient:
+                    raise  # a job's outcome, with its process past the timeout
+                pause = delay
+                if patient:
+                    now = time.monotonic()
+                    ends = self._patience_ends
+                    if ends is None:
+                        ends = self._patience_ends = min(now + STOP_PATIENCE_S, self._patience_limit)
+                    if now >= ends:
+                        raise
+                    pause = min(delay, ends - now)
                 self.health.failed(exc)
-                time.sleep(delay)
+                time.sleep(pause)
                 delay = min(delay * 2, 2.0)
                 continue
+            if patient:
+                self._patience_ends = None
             self.health.ok()
             return result
+
+    _patience_ends: float | None = None
+    _patience_limit = float("inf")
+
+    def limit_patience(self, until: float) -> None:
+        """Patient writes give up by `until` (monotonic) at the latest."""
+        self._patience_limit = until
+        if self._patience_ends is not None:
+            self._patience_ends = min(self._patience_ends, until)
 
     # -- fetch loop -----------------------------------------------------------------------
     def _wake_fetcher(self) -> None:
@@ -484,24 +510,24 @@ class Manager:
                 # a suspect goes back among the suspects, never onto its queue
                 self._suspect = None
                 try:
-                    self.write(self.fetch.return_suspect, u, patience=2.0)
+                    self.write(self.fetch.return_suspect, u, patient=True)
                 except Exception:
                     log.exception("could not return an unstarted suspect; the final requeue does")
                 continue
             unstarted.append(u)
         # landed jobs arrived after the claimed ones: back first, so the claimed end up ahead
         try:
-            self.write(self.fetch.give_back_all_landed, patience=2.0)
+            self.write(self.fetch.give_back_all_landed, patient=True)
         except Exception:
             log.exception("could not return landed jobs; they stay private until the final requeue")
         if unstarted:
             try:
-                self.write(self.fetch.requeue, unstarted, patience=2.0)
+                self.write(self.fetch.requeue, unstarted, patient=True)
             except Exception:
                 log.exception("could not return unstarted jobs; they stay in flight for the final requeue")
         if self.fetch.pending_acks():
             try:
-                self.write(self.fetch.flush_acks, patience=2.0)
+                self.write(self.fetch.flush_acks, patient=True)
             except Exception:
                 log.warning("could not flush acks now; the final requeue flushes them first")
         self._handoff.put_many([None] * len(self.processors))

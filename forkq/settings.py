@@ -5,6 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+# A stopping child gets --timeout for its running jobs plus this long to put back what it
+# holds and exit; the master kills it after that. The child keeps its Redis writes inside it.
+STOP_GRACE_S = 5.0
+# At stop, how long the writes that have a later chance (giving back unstarted and landed
+# jobs, the final requeue, the last stats) wait in all for an unreachable Redis: what they
+# could not write stays in the process's private lists, for the master or orphan recovery.
+STOP_PATIENCE_S = 4.0
+
 
 @dataclass
 class Settings:

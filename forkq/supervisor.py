@@ -27,13 +27,12 @@ import setproctitle
 from . import client, hooks, logs, orphans, systemd
 from .fetch import requeue_owner_counts
 from .metrics import MetricsServer
-from .settings import Settings
+from .settings import STOP_GRACE_S, Settings
 
 log = logs.get("forkq.supervisor")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGHUP)
 CHILD_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGHUP,
                  signal.SIGQUIT)
-STOP_GRACE_S = 5.0
 CRASH_LOOP_LIMIT = 3
 
 

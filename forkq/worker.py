@@ -29,7 +29,7 @@ from .metrics import DeltaReporter
 from .processor import MeteredProcessor, Processor
 from .queues import QueueOrder
 from .scheduler import Scheduler
-from .settings import Settings
+from .settings import STOP_GRACE_S, Settings
 
 log = logs.get("forkq.worker")
 TRAPPED = (signal.SIGINT, signal.SIGTERM, signal.SIGTSTP, signal.SIGTTIN)
@@ -161,6 +161,8 @@ class Worker:
 
     def _stop(self) -> int:
         deadline = time.monotonic() + self.settings.timeout
+        # what is written to Redis after the jobs is done by the time the master would kill us
+        self.manager.limit_patience(deadline + STOP_GRACE_S - 1.0)
         self.launcher.info["quiet"] = True
         self.manager.quiet()
         self.scheduler.stop()
@@ -169,6 +171,10 @@ class Worker:
                         busy=self.manager.busy())
         requeued = self._requeue_all()
         self.launcher.stop()
+        try:
+            self.manager.write(self.launcher.final_flush, patient=True)
+        except REDIS_ERRORS:
+            log.error("could not write final stats: Redis unreachable")
         if self.metrics is not None and self.report_fd is not None:
             self.metrics.send(self.report_fd)  # the last jobs' counts, before the master reaps us
         log.info("worker stopped", requeued=requeued)
@@ -180,17 +186,17 @@ class Worker:
         return 0
 
     def _requeue_all(self) -> int:
-        for attempt in range(40):
-            try:
-                self.manager.fetch.flush_acks()
-                requeued, _ = requeue_owner(self.manager.redis, self.identity,
-                                            self.manager.fetch.order.names)
-                return requeued
-            except REDIS_ERRORS:
-                time.sleep(0.25)
-        log.error("Redis unreachable at stop: in-flight jobs stay in this process's private "
-                  "structures until the supervisor or orphan recovery puts them back")
-        return 0
+        try:
+            return self.manager.write(self._requeue_once, patient=True)
+        except REDIS_ERRORS:
+            log.error("Redis unreachable at stop: in-flight jobs stay in this process's private "
+                      "structures until the supervisor or orphan recovery puts them back")
+            return 0
+
+    def _requeue_once(self) -> int:
+        self.manager.fetch.flush_acks()
+        requeued, _ = requeue_owner(self.manager.redis, self.identity, self.manager.fetch.order.names)
+        return requeued
 
 
 def dump_threads() -> None:

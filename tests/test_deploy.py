@@ -22,7 +22,7 @@ import pytest
 
 from forkq import config
 from forkq.cli import build_parser
-from forkq.supervisor import STOP_GRACE_S
+from forkq.settings import STOP_GRACE_S
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "forkq.service"

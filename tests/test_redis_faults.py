@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 import forkq
+from forkq import keys
+from forkq.settings import STOP_GRACE_S
 from helpers import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,6 +31,16 @@ def _start(url: str, tmp: Path, *args: str) -> subprocess.Popen:
          "--log-format", "json", "--pidfile", str(tmp / "pid"), *args],
         env=env, cwd=REPO, stdout=open(tmp / "log", "w"), stderr=subprocess.STDOUT,
         start_new_session=True)
+
+
+def _events(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
 
 
 def _ran(r) -> set[int]:
@@ -137,3 +149,47 @@ def test_boot_warns_when_redis_may_evict_jobs(own_redis, tmp_path):
                    message="children up")
     finally:
         assert _stop(master) == 0
+
+
+@pytest.mark.timeout(90)
+def test_a_child_stopping_with_redis_down_gives_up_in_time_and_keeps_its_jobs(own_redis, tmp_path):
+    """Its stop-time writes share one wait for Redis, so the child ends by itself inside
+    --timeout plus the grace (each used to wait on its own, and the master killed it), and
+    the jobs it could not put back stay in its in-flight hash for recovery."""
+    r = own_redis.client()
+    env = dict(os.environ, FORKQ_REDIS_URL=own_redis.url, PYTHONPATH=str(REPO))
+    log = tmp_path / "log"
+    master = subprocess.Popen(
+        [sys.executable, "-m", "forkq", "start", "--require", str(REPO / "tests" / "apps" / "orphan_jobs.py"),
+         "--processes", "1", "--concurrency", "2", "--timeout", "1", "--heartbeat-interval", "0.5",
+         "--log-format", "json", "--pidfile", str(tmp_path / "pid")],
+        env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        forkq.Client(own_redis.url).push_bulk("orphan.work", [["a", 30], ["b", 30]])
+        wait_until(lambda: r.hkeys(keys.OWNERS) and r.hlen(keys.inflight(r.hkeys(keys.OWNERS)[0].decode())) == 2,
+                   timeout=20, message="the child holds both jobs")
+        identity = r.hkeys(keys.OWNERS)[0].decode()
+        own_redis.stop()
+        master.send_signal(signal.SIGTERM)
+        assert master.wait(40) == 0
+        events = _events(log)
+        names = [e.get("event") for e in events]
+        assert "child did not stop in time; killing it" not in names
+        exited = [e for e in events if e.get("event") == "child exited"]
+        assert [e["how"] for e in exited] == ["exit 0"]
+        stopped = next(e for e in events if e.get("event") == "stopping children")
+        took = _seconds(exited[0]["timestamp"]) - _seconds(stopped["timestamp"])
+        assert took < 1 + STOP_GRACE_S, f"the child took {took:.1f}s to stop"
+        assert any("Redis unreachable at stop" in n for n in names if n)
+        own_redis.start()
+        r = own_redis.client()
+        assert r.hlen(keys.inflight(identity)) == 2 and r.llen("queue:default") == 0
+    finally:
+        if master.poll() is None:
+            os.killpg(master.pid, signal.SIGKILL)
+            master.wait()
+
+
+def _seconds(stamp: str) -> float:
+    from datetime import datetime
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
