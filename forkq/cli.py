@@ -428,12 +428,19 @@ def _processes(conn, args):
     return data, _table(header, rows) if rows else ["no live processes"]
 
 
+def _enqueued_at(job: dict | None) -> float:
+    at = (job or {}).get("enqueued_at")
+    return float(at) if isinstance(at, (int, float)) else float("inf")
+
+
 def _busy(conn, args):
     import json
     import time
     from . import api, payload
     now = time.time()
-    jobs = sorted(api.running(conn), key=lambda j: j.run_at or now)
+    # run_at is whole seconds (Sidekiq's format): among jobs started in the same second,
+    # the one enqueued first most likely started first
+    jobs = sorted(api.running(conn), key=lambda j: (j.run_at or now, _enqueued_at(j.job)))
     data, rows = [], []
     for j in jobs:
         job = j.job or {}

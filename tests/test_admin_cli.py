@@ -122,7 +122,7 @@ def test_bad_arguments_and_unreachable_redis_are_one_line(r, redis_url):
 @pytest.mark.timeout(30)
 def test_busy_lists_running_jobs_longest_first(r, redis_url, workers):
     from corekit import core_jobs
-    w = workers()
+    w = workers(extra_args=("--heartbeat-interval", "0.5"))  # the running jobs show at each beat
     first = core_jobs.sleepy.enqueue(20, "first")
     wait_until(lambda: len(api.running(r)) == 1, timeout=10, message="the first job running")
     second = core_jobs.sleepy.enqueue(20, "second")
