@@ -27,7 +27,7 @@ import setproctitle
 from . import client, hooks, logs, orphans, systemd
 from .fetch import requeue_owner_counts
 from .metrics import MetricsServer
-from .settings import STOP_GRACE_S, Settings
+from .settings import STOP_GRACE_S, STOP_PATIENCE_S, Settings
 
 log = logs.get("forkq.supervisor")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGHUP)
@@ -122,7 +122,8 @@ class Supervisor:
                     break
                 self.wait_for_events(0.5)
                 self.reap_children()
-                self.requeue_pending()
+                if self.state == "running" or self.children:
+                    self.requeue_pending()  # else the final pass below tries, once we are out
                 self.sweep_orphans()
                 self.murder_hung_children()
                 self.check_memory()
@@ -299,21 +300,24 @@ class Supervisor:
     def requeue_pending(self, final: bool = False) -> dict[str, tuple[int, int]]:
         """Put dead children's jobs back; {identity: (requeued, poisoned)} of those done now."""
         done: dict[str, tuple[int, int]] = {}
-        attempts = 20 if final else 1
-        for _ in range(attempts):
-            if not self.pending_requeue:
-                return done
+        # The final pass, as the master exits, gives an unreachable Redis STOP_PATIENCE_S
+        # (at least one try: a frozen Redis takes the socket timeout), then leaves the rest
+        # to orphan recovery; before that, a failure waits for the next turn of the loop.
+        give_up = time.monotonic() + STOP_PATIENCE_S
+        while self.pending_requeue:
             identity, crashed = self.pending_requeue[0]
             try:
                 requeued, poisoned, suspects = requeue_owner_counts(
                     self.redis, identity, [q for q, _ in self.settings.queues],
                     crashed=crashed and self.state != "stopping", poison_after=self.settings.poison_after)
             except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
-                if final:
-                    time.sleep(0.25)
-                    continue
-                log.warning("cannot requeue a dead child's jobs yet: Redis unreachable", error=str(exc))
-                return done
+                if not final:
+                    log.warning("cannot requeue a dead child's jobs yet: Redis unreachable", error=str(exc))
+                    return done
+                if time.monotonic() >= give_up:
+                    break
+                time.sleep(0.25)
+                continue
             self.pending_requeue.pop(0)
             done[identity] = (requeued, poisoned)
             self.stats.requeued += requeued

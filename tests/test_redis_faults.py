@@ -151,11 +151,10 @@ def test_boot_warns_when_redis_may_evict_jobs(own_redis, tmp_path):
         assert _stop(master) == 0
 
 
-@pytest.mark.timeout(90)
-def test_a_child_stopping_with_redis_down_gives_up_in_time_and_keeps_its_jobs(own_redis, tmp_path):
-    """Its stop-time writes share one wait for Redis, so the child ends by itself inside
-    --timeout plus the grace (each used to wait on its own, and the master killed it), and
-    the jobs it could not put back stay in its in-flight hash for recovery."""
+def _stop_with_redis_away(own_redis, tmp_path: Path, away) -> tuple[list[dict], float, str]:
+    """A supervised child holding two 30 s jobs, --timeout 1; `away` takes Redis away, then
+    the master gets SIGTERM. The master's events, seconds until it exited 0, the child's
+    identity."""
     r = own_redis.client()
     env = dict(os.environ, FORKQ_REDIS_URL=own_redis.url, PYTHONPATH=str(REPO))
     log = tmp_path / "log"
@@ -166,28 +165,53 @@ def test_a_child_stopping_with_redis_down_gives_up_in_time_and_keeps_its_jobs(ow
         env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         forkq.Client(own_redis.url).push_bulk("orphan.work", [["a", 30], ["b", 30]])
-        wait_until(lambda: r.hkeys(keys.OWNERS) and r.hlen(keys.inflight(r.hkeys(keys.OWNERS)[0].decode())) == 2,
-                   timeout=20, message="the child holds both jobs")
+
+        def holding() -> bool:
+            owners = r.hkeys(keys.OWNERS)
+            return bool(owners) and r.hlen(keys.inflight(owners[0].decode())) == 2
+        wait_until(holding, timeout=20, message="the child holds both jobs")
         identity = r.hkeys(keys.OWNERS)[0].decode()
-        own_redis.stop()
+        away()
+        started = time.monotonic()
         master.send_signal(signal.SIGTERM)
-        assert master.wait(40) == 0
-        events = _events(log)
-        names = [e.get("event") for e in events]
-        assert "child did not stop in time; killing it" not in names
-        exited = [e for e in events if e.get("event") == "child exited"]
-        assert [e["how"] for e in exited] == ["exit 0"]
-        stopped = next(e for e in events if e.get("event") == "stopping children")
-        took = _seconds(exited[0]["timestamp"]) - _seconds(stopped["timestamp"])
-        assert took < 1 + STOP_GRACE_S, f"the child took {took:.1f}s to stop"
-        assert any("Redis unreachable at stop" in n for n in names if n)
-        own_redis.start()
-        r = own_redis.client()
-        assert r.hlen(keys.inflight(identity)) == 2 and r.llen("queue:default") == 0
+        assert master.wait(60) == 0
+        return _events(log), time.monotonic() - started, identity
     finally:
         if master.poll() is None:
             os.killpg(master.pid, signal.SIGKILL)
             master.wait()
+
+
+@pytest.mark.timeout(90)
+def test_a_child_stopping_with_redis_down_gives_up_in_time_and_keeps_its_jobs(own_redis, tmp_path):
+    """Its stop-time writes share one wait for Redis, so the child ends by itself inside
+    --timeout plus the grace (each used to wait on its own, and the master killed it), and
+    the jobs it could not put back stay in its in-flight hash for recovery."""
+    events, _, identity = _stop_with_redis_away(own_redis, tmp_path, own_redis.stop)
+    names = [e.get("event") for e in events]
+    exited = [e for e in events if e.get("event") == "child exited"]
+    assert [e["how"] for e in exited] == ["exit 0"]
+    stopped = next(e for e in events if e.get("event") == "stopping children")
+    took = _seconds(exited[0]["timestamp"]) - _seconds(stopped["timestamp"])
+    assert took < 1 + STOP_GRACE_S, f"the child took {took:.1f}s to stop"
+    assert any("Redis unreachable at stop" in n for n in names if n)
+    own_redis.start()
+    r = own_redis.client()
+    assert r.hlen(keys.inflight(identity)) == 2 and r.llen("queue:default") == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_redis_at_stop_holds_the_master_for_seconds_not_minutes(own_redis, tmp_path):
+    """SIGSTOPped Redis: every try takes the 5 s socket timeout. The child is killed at
+    --timeout plus the grace, and the master's final requeue gives up after its patience
+    instead of twenty tries (over 100 s), leaving the jobs in the child's hash."""
+    events, took, identity = _stop_with_redis_away(own_redis, tmp_path, own_redis.pause)
+    # the child's kill at 1 + 5 s, one try as it is reaped, the final pass: about 16 s
+    assert took < 30, f"the master took {took:.1f}s to exit"
+    assert any("stay in their private lists" in (e.get("event") or "") for e in events)
+    own_redis.resume()
+    r = own_redis.client()
+    assert r.hlen(keys.inflight(identity)) == 2 and r.llen("queue:default") == 0
 
 
 def _seconds(stamp: str) -> float:
