@@ -75,6 +75,9 @@ class Launcher:
         while True:
             try:
                 self.beat()
+                # Redis answers: what counts outages (see Manager.write) must know it, also
+                # while a quiet process has no claims to tell it
+                self.manager.health.ok()
             except REDIS_ERRORS:
                 pass  # the fetcher logs the outage; the heartbeat comes back by itself
             except Exception:

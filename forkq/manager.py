@@ -46,6 +46,7 @@ class RedisHealth:
     def __init__(self) -> None:
         self._down_since: float | None = None
         self._lock = threading.Lock()
+        self.outages = 0  # counts each time Redis went from answering to not
 
     @property
     def down(self) -> bool:
@@ -55,6 +56,7 @@ class RedisHealth:
         with self._lock:
             if self._down_since is None:
                 self._down_since = time.monotonic()
+                self.outages += 1
                 log.error("Redis unreachable; fetching paused, retrying with backoff", error=str(exc))
 
     def ok(self) -> None:
@@ -326,7 +328,8 @@ class Manager:
         first failure among them (ended early by limit_patience), and once that is spent,
         each further one is tried once. Five stop-time writes against a Redis that is gone
         wait seconds, not five times as long, and a stopping child ends before its master
-        kills it. A success ends the wait: the next outage gets a new one."""
+        kills it. The wait belongs to one outage: after Redis has answered anything, the
+        next outage gets a new one."""
         delay = 0.05
         while True:
             try:
@@ -334,32 +337,31 @@ class Manager:
             except REDIS_ERRORS as exc:
                 if self.hard_stopped and not patient:
                     raise  # a job's outcome, with its process past the timeout
+                self.health.failed(exc)
                 pause = delay
                 if patient:
                     now = time.monotonic()
+                    if self._patience_outage != self.health.outages:
+                        self._patience_outage = self.health.outages
+                        self._patience_ends = min(now + STOP_PATIENCE_S, self._patience_limit)
                     ends = self._patience_ends
-                    if ends is None:
-                        ends = self._patience_ends = min(now + STOP_PATIENCE_S, self._patience_limit)
                     if now >= ends:
                         raise
                     pause = min(delay, ends - now)
-                self.health.failed(exc)
                 time.sleep(pause)
                 delay = min(delay * 2, 2.0)
                 continue
-            if patient:
-                self._patience_ends = None
             self.health.ok()
             return result
 
-    _patience_ends: float | None = None
+    _patience_outage = 0
+    _patience_ends = 0.0
     _patience_limit = float("inf")
 
     def limit_patience(self, until: float) -> None:
         """Patient writes give up by `until` (monotonic) at the latest."""
         self._patience_limit = until
-        if self._patience_ends is not None:
-            self._patience_ends = min(self._patience_ends, until)
+        self._patience_ends = min(self._patience_ends, until)
 
     # -- fetch loop -----------------------------------------------------------------------
     def _wake_fetcher(self) -> None:
