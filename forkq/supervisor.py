@@ -122,8 +122,8 @@ class Supervisor:
                     break
                 self.wait_for_events(0.5)
                 self.reap_children()
-                if self.state == "running" or self.children:
-                    self.requeue_pending()  # else the final pass below tries, once we are out
+                if self.children or self.state not in ("stopping", "failed"):
+                    self.requeue_pending()  # else the loop ends, and the final pass tries
                 self.sweep_orphans()
                 self.murder_hung_children()
                 self.check_memory()
