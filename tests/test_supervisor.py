@@ -628,6 +628,33 @@ def test_tstp_quiets_every_child_and_term_then_stops_them(start_master, redis_ur
     assert_clean(r, m, set())
 
 
+@pytest.mark.timeout(60)
+def test_a_child_that_dies_while_quiet_and_redis_is_down_gets_its_job_back_once_redis_is(own_redis, tmp_path):
+    """A quiet master forks no replacement, so no child is left: the requeue that failed
+    when the child was reaped must still be retried each turn, not wait for the stop."""
+    m = Master(own_redis.url, tmp_path / "m", processes=1, concurrency=1, args=["--timeout", "1"]).start()
+    try:
+        r = own_redis.client()
+        (pid,) = m.wait_slots().values()
+        identity = wait_until(lambda: identity_of(r, pid), timeout=10, message="the child in `processes`")
+        start_one_by_one(own_redis.url, r, m, [("held", 60)])
+        m.signal(signal.SIGTSTP)
+        wait_until(lambda: r.hget(identity, "quiet") == b"true", timeout=10, message="the child quiet")
+        own_redis.stop()
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: m.log_events("cannot requeue a dead child's jobs yet: Redis unreachable"),
+                   timeout=15, message=f"the requeue at reaping failed\n{m.tail()}")
+        own_redis.start()
+        r = own_redis.client()
+        wait_until(lambda: r.llen("forkq:suspects") == 1 and not private_keys(r), timeout=10,
+                   message=f"the job back among the suspects\n{m.tail()}")
+        assert m.slots() == {}  # quiet: no replacement
+        m.signal(signal.SIGTERM)
+        assert m.wait(15) == 0
+    finally:
+        m.kill()
+
+
 # -- 13. HUP: rolling restart ----------------------------------------------------------------------------
 
 
