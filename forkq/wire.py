@@ -39,21 +39,19 @@ def run_script(conn: AbstractConnection, sha: str, body: str, args: tuple) -> An
 
     An error reply leaves the connection in step; any other failure disconnects it, so
     the caller can keep using it (it reconnects on the next send)."""
-    try:
-        return _run_script(conn, sha, body, args)
-    except redis.ResponseError:
-        raise
-    except BaseException:
-        conn.disconnect()
-        raise
+    return _in_step(conn, _run_script, sha, body, args)
 
 
 def run_commands(conn: AbstractConnection, *commands: tuple) -> Any:
     """Send `commands` in one write and read every reply; return the last one's. Failures
     as in run_script: an error reply (raised once every reply is read) leaves the
     connection in step, anything else disconnects it."""
+    return _in_step(conn, _run_commands, commands)
+
+
+def _in_step(conn: AbstractConnection, run: Callable[..., Any], *args: Any) -> Any:
     try:
-        return _run_commands(conn, commands)
+        return run(conn, *args)
     except redis.ResponseError:
         raise
     except BaseException:

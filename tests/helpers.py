@@ -50,6 +50,17 @@ def wait_until(predicate, timeout=10.0, interval=0.01, message=""):
         time.sleep(interval)
 
 
+def json_lines(path) -> list[dict]:
+    """The JSON lines of a log file (`--log-format json`), skipping any other line."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
 def free_port():
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

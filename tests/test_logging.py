@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import forkq
-from helpers import free_port, wait_until
+from helpers import free_port, json_lines, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "tests" / "apps" / "logging_jobs.py"
@@ -27,14 +27,8 @@ def _start(url: str, log: Path, *extra: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _lines(log: Path) -> list[dict]:
-    out = []
-    for line in log.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+def _first(log: Path, event: str) -> dict | None:
+    return next((x for x in json_lines(log) if x.get("event") == event), None)
 
 
 @pytest.mark.timeout(60)
@@ -44,16 +38,16 @@ def test_app_log_lines_inside_a_job_carry_jid_class_queue_pid_and_slot(redis_url
                   "--pidfile", str(tmp_path / "pid"))
     try:
         jid = forkq.Client(redis_url).push("logging.chatty", [7])
-        line = wait_until(lambda: next((x for x in _lines(log) if x.get("event") == "inside the job"), None),
-                          timeout=20, message="the job's own log line never appeared")
+        line = wait_until(lambda: _first(log, "inside the job"), timeout=20,
+                          message="the job's own log line never appeared")
         assert line["jid"] == jid and line["class"] == "logging.chatty" and line["queue"] == "default"
         assert line["x"] == 7 and line["slot"] == 0 and isinstance(line["pid"], int)
-        done = wait_until(lambda: next((x for x in _lines(log) if x.get("event") == "done"), None), timeout=10)
+        done = wait_until(lambda: _first(log, "done"), timeout=10)
         assert done["jid"] == jid and "elapsed_ms" in done
         # a line logged after the job (the next heartbeat or stop) carries no job fields
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-        after = [x for x in _lines(log) if x.get("event") in ("worker stopped", "master stopped")]
+        after = [x for x in json_lines(log) if x.get("event") in ("worker stopped", "master stopped")]
         assert after and all("jid" not in x for x in after)
     finally:
         if proc.poll() is None:
@@ -70,7 +64,7 @@ def test_stop_works_while_redis_is_unreachable(mode, tmp_path):
     proc = _start(url, log, *mode, "--pidfile", str(tmp_path / "pid"))
     try:
         # the fetcher's line: by then the worker (and in a child, its master) acts on signals
-        wait_until(lambda: any("fetching paused" in x.get("event", "") for x in _lines(log)), timeout=20,
+        wait_until(lambda: any("fetching paused" in x.get("event", "") for x in json_lines(log)), timeout=20,
                    message="no line saying fetching is paused")
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -78,7 +72,7 @@ def test_stop_works_while_redis_is_unreachable(mode, tmp_path):
         # the stop-time writes share one wait for Redis (STOP_PATIENCE_S), then the master
         # tries its requeue for a few seconds more; each write used to wait on its own (18 s)
         assert time.monotonic() - started < 15
-        assert not any("Redis is back" in x.get("event", "") for x in _lines(log))
+        assert not any("Redis is back" in x.get("event", "") for x in json_lines(log))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

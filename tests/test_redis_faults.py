@@ -3,13 +3,13 @@ and warns at boot when Redis may evict jobs."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,7 @@ import pytest
 import forkq
 from forkq import keys
 from forkq.settings import STOP_GRACE_S
-from helpers import wait_until
+from helpers import json_lines, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "tests" / "apps" / "chaos_jobs.py"
@@ -31,16 +31,6 @@ def _start(url: str, tmp: Path, *args: str) -> subprocess.Popen:
          "--log-format", "json", "--pidfile", str(tmp / "pid"), *args],
         env=env, cwd=REPO, stdout=open(tmp / "log", "w"), stderr=subprocess.STDOUT,
         start_new_session=True)
-
-
-def _events(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
 
 
 def _ran(r) -> set[int]:
@@ -134,14 +124,8 @@ def test_boot_warns_when_redis_may_evict_jobs(own_redis, tmp_path):
     master = _start(own_redis.url, tmp_path)
     try:
         def warning():
-            for line in (tmp_path / "log").read_text().splitlines():
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if "maxmemory-policy" in event.get("event", ""):
-                    return event
-            return None
+            return next((e for e in json_lines(tmp_path / "log")
+                         if "maxmemory-policy" in e.get("event", "")), None)
         event = wait_until(warning, timeout=20, message="a boot warning about maxmemory-policy")
         assert event["policy"] == "allkeys-lru" and event["level"] == "warning"
         # the warning comes before the master traps signals: stop it once it is up
@@ -175,7 +159,7 @@ def _stop_with_redis_away(own_redis, tmp_path: Path, away) -> tuple[list[dict], 
         started = time.monotonic()
         master.send_signal(signal.SIGTERM)
         assert master.wait(60) == 0
-        return _events(log), time.monotonic() - started, identity
+        return json_lines(log), time.monotonic() - started, identity
     finally:
         if master.poll() is None:
             os.killpg(master.pid, signal.SIGKILL)
@@ -215,5 +199,4 @@ def test_a_frozen_redis_at_stop_holds_the_master_for_seconds_not_minutes(own_red
 
 
 def _seconds(stamp: str) -> float:
-    from datetime import datetime
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
