@@ -21,14 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import cores, latency, memory, redis_cost, scaling, throughput  # noqa: E402
+from bench import claims, cores, latency, memory, redis_cost, scaling, throughput  # noqa: E402
 
 # ratio_rounds: the no-op 2-over-1 comparison gets more rounds than the other figures, as
 # single rounds of it range from about 1.2x to 2x on this project's machine
-FULL = {"claims": 1000, "jobs": 20_000, "rounds": 5, "ratio_rounds": 15, "recovery_rounds": 5,
+FULL = {"claims": 1000, "traced_jobs": 60_000, "traced_rounds": 3, "jobs": 20_000, "rounds": 5, "ratio_rounds": 15, "recovery_rounds": 5,
         "latency_jobs": 2000, "scheduled": 200, "deep": 1_000_000, "sets": 100_000, "rss_jobs": 100_000,
         "memory_jobs": 10_000}
-QUICK = {"claims": 200, "jobs": 5_000, "rounds": 1, "ratio_rounds": 1, "recovery_rounds": 3,
+QUICK = {"claims": 200, "traced_jobs": 20_000, "traced_rounds": 1, "jobs": 5_000, "rounds": 1, "ratio_rounds": 1, "recovery_rounds": 3,
          "latency_jobs": 400, "scheduled": 50, "deep": 200_000, "sets": 20_000, "rss_jobs": 20_000,
          "memory_jobs": 2_000}
 
@@ -97,6 +97,13 @@ def main() -> int:
     t.add("CPU per job, child / Redis: 1 process; 2 processes",
           f"{f['child_us_1']:.1f} / {f['redis_us_1']:.1f} us; "
           f"{f['child_us_warning']:.1f} / {f['redis_us_warning']:.1f} us")
+    # why the ratio is what it is: each child waits on its claim's round trip, and while
+    # both wait only Redis can use a core
+    f2 = _stage("claims", lambda: claims.measure(n["traced_jobs"], n["traced_rounds"], n["claims"]))
+    t.add("claim round trip: in a child, 1 process / 2; bare client; PING",
+          f"{f2['rtt_us_1']:.0f} / {f2['rtt_us_2']:.0f} us; {f2['bare_claim_us']:.0f} us; {f2['ping_us']:.0f} us")
+    t.add("a child's time waiting on claims, 1 process / 2; both children at once",
+          f"{100 * f2['waiting_1']:.0f}% / {100 * f2['waiting_2']:.0f}%; {100 * f2['all_waiting_2']:.0f}%")
     cost = _stage("redis cost", lambda: redis_cost.measure(n["claims"]))
     t.add("Redis instructions per claim of 10 jobs (callgrind, user space)",
           f"{cost['per_claim']:,.0f} ({cost['per_job']:,.0f} per job)" if cost else "skipped: no valgrind")
