@@ -9,12 +9,13 @@
 """
 
 from .client import Client, configure, default_client
-from .errors import ConfigError, ForkqError, MalformedPayload, RedisUnavailable, UnknownJob
+from .errors import (ConfigError, ForkqError, MalformedPayload, PartialEnqueue, RedisUnavailable,
+                     UnknownJob)
 from .jobs import Job, job
 from .hooks import on_fork, server_middleware, slot_index
 
 __all__ = [
-    "Client", "ConfigError", "ForkqError", "Job", "MalformedPayload", "RedisUnavailable",
+    "Client", "ConfigError", "ForkqError", "Job", "MalformedPayload", "PartialEnqueue", "RedisUnavailable",
     "UnknownJob", "configure", "default_client", "job", "on_fork", "server_middleware", "slot_index",
 ]
 __version__ = "0.1.0"

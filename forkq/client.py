@@ -283,12 +283,13 @@ class Client:
             except wire.Unanswered as exc:
                 raise RedisUnavailable(
                     f"lost the connection to Redis at {mask_url(self.url)} before its reply "
-                    f"({exc.__cause__}); the job may or may not have been pushed") from None
+                    f"({exc.__cause__}); the job may or may not have been pushed",
+                    maybe_pushed=True) from None
             except redis.TimeoutError as exc:
                 # the commands may have reached Redis and run: only their reply is missing
                 raise RedisUnavailable(
                     f"Redis at {mask_url(self.url)} did not answer in time ({exc}); the job "
-                    "may or may not have been pushed") from None
+                    "may or may not have been pushed", maybe_pushed=True) from None
             except redis.ConnectionError as exc:
                 raise RedisUnavailable(
                     f"cannot reach Redis at {mask_url(self.url)}: {exc}; the job was not pushed"

@@ -6,7 +6,27 @@ class ForkqError(Exception):
 
 
 class RedisUnavailable(ForkqError):
-    """Redis could not be reached, so nothing was pushed."""
+    """Redis could not be reached, or did not answer a push. `maybe_pushed` is False when
+    nothing reached Redis, True when the push may have run with its reply lost."""
+
+    def __init__(self, message: str, maybe_pushed: bool = False) -> None:
+        super().__init__(message)
+        self.maybe_pushed = maybe_pushed
+
+
+class PartialEnqueue(RedisUnavailable):
+    """enqueue_many pushed some batches, then Redis failed (unreachable, silent, or
+    refusing writes). `jids` are in Redis; `unsure` (the failed batch's) may be; the
+    other jobs, from argument list `len(jids) + len(unsure)` on, were not pushed."""
+
+    def __init__(self, jids: list[str], unsure: list[str], total: int, cause: BaseException) -> None:
+        pushed = f"{len(jids):,} of {total:,} jobs were pushed"
+        if unsure:
+            pushed += f", the next {len(unsure):,} may have been"
+        why = cause if isinstance(cause, ForkqError) else f"{type(cause).__name__}: {cause}"
+        super().__init__(f"{pushed}, then: {why}", maybe_pushed=bool(unsure))
+        self.jids = jids
+        self.unsure = unsure
 
 
 class ConfigError(ForkqError):

@@ -7,8 +7,11 @@ from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any
 
+import redis
+
 from . import payload
 from .client import Client, default_client, epoch
+from .errors import PartialEnqueue, RedisUnavailable
 
 # Only names in this registry ever run: a payload's class is looked up here and never
 # imported, so a job naming os.system (or anything unregistered) cannot run code.
@@ -31,11 +34,11 @@ class Enqueuer:
         return self._client or self.job.client or default_client()
 
     def _push(self, args_list: list, at: float | datetime | None) -> list[str]:
-        opts = self.options
-        checked = [payload.check_args(a) for a in args_list]
+        return self.client.push_jobs(self._build([payload.check_args(a) for a in args_list]), at=at)
+
+    def _build(self, checked: list[list]) -> list[dict[str, Any]]:
         now = time.time()
-        jobs = [payload.build(self.job.name, a, now=now, **opts) for a in checked]
-        return self.client.push_jobs(jobs, at=at)
+        return [payload.build(self.job.name, a, now=now, **self.options) for a in checked]
 
     def enqueue(self, *args: Any) -> str | None:
         jids = self._push([args], None)
@@ -50,17 +53,30 @@ class Enqueuer:
         return jids[0] if jids else None
 
     def enqueue_many(self, args_list: Iterable[Iterable[Any]], batch_size: int = 1000) -> list[str]:
-        """Push many jobs, one round trip per batch of `batch_size`; return their jids."""
+        """Push many jobs, one round trip per batch of `batch_size`; return their jids.
+
+        Every argument list is checked before any job is pushed, so a bad one pushes
+        nothing. When Redis fails after some batches went in, PartialEnqueue says which
+        jobs are in Redis: a retry of the rest pushes no job twice."""
+        checked = [payload.check_args(payload.bulk_item(a)) for a in args_list]
         jids: list[str] = []
-        batch: list = []
-        for args in args_list:
-            batch.append(payload.bulk_item(args))
-            if len(batch) >= batch_size:
-                jids += self._push(batch, None)
-                batch = []
-        if batch:
-            jids += self._push(batch, None)
+        for start in range(0, len(checked), batch_size):
+            jobs = self._build(checked[start:start + batch_size])
+            try:
+                jids += self.client.push_jobs(jobs)
+            except (RedisUnavailable, redis.RedisError) as exc:
+                if not jids:
+                    raise  # nothing went in: the error as a single push would raise it
+                # a push refused by Redis (OOM, READONLY) is not in Redis, unless its
+                # batch spans several queues whose pipeline stopped part way
+                sure_not = isinstance(exc, RedisUnavailable) and not exc.maybe_pushed
+                unsure = [] if sure_not or _one_queue_refused(exc, jobs) else [j["jid"] for j in jobs]
+                raise PartialEnqueue(jids, unsure, len(checked), exc) from exc
         return jids
+
+
+def _one_queue_refused(exc: BaseException, jobs: list[dict[str, Any]]) -> bool:
+    return isinstance(exc, redis.ResponseError) and len({j["queue"] for j in jobs}) == 1
 
 
 class Job:

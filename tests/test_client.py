@@ -194,6 +194,89 @@ def test_enqueue_many_wants_a_list_of_argument_lists(forkq_client, r, items, sho
     assert r.dbsize() == 0
 
 
+def test_a_bad_argument_in_a_later_batch_pushes_nothing(forkq_client, r):
+    items = [[i] for i in range(2500)]
+    items[2100] = [object()]
+    with pytest.raises(TypeError, match=r"args\[0\]"):
+        core_jobs.record.enqueue_many(items, batch_size=1000)
+    assert r.dbsize() == 0  # not the first two batches either
+
+
+def _at_second_batch(act):
+    """A client middleware that calls `act` once, on the first job of the second batch of
+    1,000 (args [1000]), before that batch is sent."""
+    fired = []
+
+    def middleware(job):
+        if job["args"] == [1000] and not fired:
+            fired.append(True)
+            act()
+        return job
+    return middleware
+
+
+def _args_in(conn, queue="default"):
+    return [j["args"][0] for j in _queue(conn, queue)]
+
+
+@pytest.mark.timeout(30)
+def test_enqueue_many_refused_part_way_says_which_jobs_are_in_redis(own_redis):
+    admin = own_redis.client()
+    refuse = _at_second_batch(lambda: admin.config_set("maxmemory", 1))  # OOM from here on
+    client = forkq.Client(own_redis.url, middleware=[refuse])
+    items = [[i] for i in range(2500)]
+    with pytest.raises(forkq.PartialEnqueue) as info:
+        core_jobs.record.options(client=client).enqueue_many(items)
+    error = info.value
+    assert isinstance(error, forkq.RedisUnavailable)
+    assert "1,000 of 2,500 jobs were pushed" in str(error) and "OutOfMemoryError" in str(error)
+    assert error.unsure == [] and not error.maybe_pushed  # a refused LPUSH pushed nothing
+    assert [j["jid"] for j in _queue(admin)] == error.jids
+    # the rest, pushed again once Redis takes writes, completes the set with no repeat
+    admin.config_set("maxmemory", 0)
+    core_jobs.record.options(client=client).enqueue_many(items[len(error.jids):])
+    assert _args_in(admin) == list(range(2500))
+    admin.close()
+
+
+@pytest.mark.timeout(30)
+def test_enqueue_many_whose_reply_is_lost_part_way_names_the_batch_that_may_be_in(own_redis):
+    client = forkq.Client(own_redis.url, middleware=[_at_second_batch(own_redis.pause)],
+                          socket_timeout=0.5)
+    try:
+        with pytest.raises(forkq.PartialEnqueue) as info:
+            core_jobs.record.options(client=client).enqueue_many([[i] for i in range(2500)])
+    finally:
+        own_redis.resume()
+    error = info.value
+    assert len(error.jids) == 1000 and len(error.unsure) == 1000 and error.maybe_pushed
+    assert "the next 1,000 may have been" in str(error)
+    admin = own_redis.client()
+    # the frozen server held the batch's bytes: whether it ran them is what `unsure` means
+    assert [j["jid"] for j in _queue(admin)] in (error.jids, error.jids + error.unsure)
+    assert admin.llen("queue:default") < 2500  # the last batch was never sent
+    admin.close()
+
+
+@pytest.mark.timeout(30)
+def test_enqueue_many_cut_off_part_way_has_pushed_exactly_its_jids(own_redis):
+    client = forkq.Client(own_redis.url, middleware=[_at_second_batch(own_redis.stop)])
+    with pytest.raises(forkq.PartialEnqueue, match="1,000 of 2,500 jobs were pushed") as info:
+        core_jobs.record.options(client=client).enqueue_many([[i] for i in range(2500)])
+    assert info.value.unsure == [] and "not pushed" in str(info.value)
+    own_redis.start()
+    admin = own_redis.client()
+    assert [j["jid"] for j in _queue(admin)] == info.value.jids
+    admin.close()
+
+
+def test_enqueue_many_that_fails_at_its_first_batch_raises_as_a_push_would(r):
+    client = forkq.Client(f"redis://127.0.0.1:{free_port()}/0")
+    with pytest.raises(forkq.RedisUnavailable, match="not pushed") as info:
+        core_jobs.record.options(client=client).enqueue_many([[1], [2]])
+    assert type(info.value) is forkq.RedisUnavailable
+
+
 def test_options_override_queue_and_retry_for_one_push(forkq_client, r):
     jid = core_jobs.record.options(queue="low", retry=2).enqueue("x")
     core_jobs.record.enqueue("y")
