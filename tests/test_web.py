@@ -365,6 +365,52 @@ def test_token_works_as_bearer_or_through_the_login_form(redis_url, r):
         assert anon.get("/dead").status == 303
 
 
+@pytest.mark.timeout(60)
+def test_wrong_passwords_from_one_address_are_refused_for_a_window_on_every_server(redis_url, r):
+    env = {"FORKQ_WEB_PASSWORD": "s3cret"}
+    with WebServer(redis_url, "--login-limit", "3", env=env) as one, \
+            WebServer(redis_url, "--login-limit", "3", env=env) as two:
+        assert Client(one.base, auth=("a", "guess1")).get("/").status == 401
+        assert Client(two.base, auth=("a", "guess2")).get("/").status == 401
+        assert Client(one.base, auth=("a", "guess3")).get("/").status == 401
+        # the count is in Redis: the fourth try is refused on either server
+        for web in (one, two):
+            refused = Client(web.base, auth=("a", "guess4")).get("/")
+            assert refused.status == 429 and 0 < int(refused.headers["Retry-After"]) <= 60
+            # the right password too, for the rest of the window: no guess can be confirmed
+            assert Client(web.base, auth=("a", "s3cret")).get("/").status == 429
+        # a visit without credentials is no guess: it still gets the challenge
+        assert Client(one.base).get("/").status == 401
+        (key,) = r.keys("forkq:web:auth-failures:*")
+        assert key == b"forkq:web:auth-failures:127.0.0.1" and 0 < r.ttl(key) <= 60
+        r.delete(key)  # the window ends
+        assert Client(two.base, auth=("a", "s3cret")).get("/").status == 200
+
+
+@pytest.mark.timeout(40)
+def test_wrong_tokens_at_the_login_form_are_limited_and_the_limit_can_be_turned_off(redis_url, r):
+    with WebServer(redis_url, "--token", "tok-123", "--login-limit", "2") as web:
+        stale = Client(web.base)
+        stale.cookies["forkq_session"] = "from-an-old-login"
+        for _ in range(4):  # a page left open, refreshing: not guesses, never refused
+            assert stale.get("/stats.json").status == 401
+        browser = Client(web.base)
+        csrf = browser.get("/login").csrf
+        assert browser.post("/login", {"token": "a"}, csrf=csrf).status == 401
+        assert browser.post("/login", {"token": "b"}, csrf=csrf).status == 401
+        assert browser.post("/login", {"token": "tok-123"}, csrf=csrf).status == 429
+        assert Client(web.base, bearer="tok-123").get("/stats.json").status == 429
+    r.flushall()
+    with WebServer(redis_url, "--token", "tok-123", "--login-limit", "0") as web:
+        for guess in range(15):
+            assert Client(web.base, bearer=f"no-{guess}").get("/stats.json").status == 401
+        assert Client(web.base, bearer="tok-123").get("/stats.json").status == 200
+        assert not r.keys("forkq:web:auth-failures:*")
+    out = run_forkq("web", "--login-limit", "-1")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "--login-limit must be at least 0" in out.stderr
+
+
 # -- mounted under a prefix ----------------------------------------------------------
 
 

@@ -32,7 +32,8 @@ WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 def make_app(redis_url: str | None = None, *, password: str | None = None,
              token: str | None = None, secret: str | None = None,
              page_size: int = 25,
-             authorize: Callable[[dict[str, Any]], bool] | None = None) -> "Dashboard":
+             authorize: Callable[[dict[str, Any]], bool] | None = None,
+             login_limit: int = 10) -> "Dashboard":
     """The dashboard as a WSGI callable.
 
     redis_url: FORKQ_REDIS_URL (then redis://127.0.0.1:6379/0) when not given.
@@ -43,11 +44,13 @@ def make_app(redis_url: str | None = None, *, password: str | None = None,
     authorize: a check of your own site's login, called with the WSGI environ of every
         request (static files aside); False answers 403. E.g. in Django, with the session
         middleware's user in the environ, or a signed cookie your site sets.
+    login_limit: wrong passwords or tokens one address may send in a minute before it is
+        refused (429) for the rest of that minute; 0 turns the limit off.
     Links and form actions start at the WSGI SCRIPT_NAME, so it works under any prefix.
     """
     from .app import Dashboard
     return Dashboard(redis_url, password=password, token=token, secret=secret,
-                     page_size=page_size, authorize=authorize)
+                     page_size=page_size, authorize=authorize, login_limit=login_limit)
 
 
 def mount(outer: WSGIApp, prefix: str, dashboard: WSGIApp) -> WSGIApp:

@@ -28,6 +28,10 @@ FLASH_COOKIE = "forkq_flash"
 StartResponse = Callable[..., Any]
 
 
+def _address(req: Request) -> str:
+    return req.environ.get("REMOTE_ADDR") or "unknown"
+
+
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -64,10 +68,12 @@ class Dashboard:
 
     def __init__(self, redis_url: str | None = None, *, password: str | None = None,
                  token: str | None = None, secret: str | None = None, page_size: int = 25,
-                 authorize: Callable[[dict[str, Any]], bool] | None = None) -> None:
+                 authorize: Callable[[dict[str, Any]], bool] | None = None,
+                 login_limit: int = 10) -> None:
         self.redis_url = client.redis_url(redis_url)
         client.connect(self.redis_url)  # a bad URL fails here, at startup, not per request
         self.guard = security.Guard(password, token, secret)
+        self.throttle = security.Throttle(login_limit)
         self.page_size = page_size
         self.authorize = authorize
         self._conn: tuple[int, redis.Redis] | None = None
@@ -128,7 +134,17 @@ class Dashboard:
         if self.authorize is not None and not self.authorize(req.environ):
             return Response.text("forbidden\n", "403 Forbidden")
         # before anything else, even a 404: an outsider learns nothing, not even the Redis host
+        logging_in = method == "POST" and path == "/login"
+        if not self.guard.open and (logging_in or self.guard.offered(req.environ)):
+            wait = self.throttle.wait(self.redis(), _address(req))
+            if wait:
+                resp = Response.text(f"too many failed logins from this address: try again in "
+                                     f"{wait} s\n", "429 Too Many Requests")
+                resp.headers.append(("Retry-After", str(wait)))
+                return resp
         if path != "/login" and not self.guard.authenticated(req.environ):
+            if self.guard.offered(req.environ):
+                self.throttle.failed(self.redis(), _address(req))
             return self.unauthorized(req)
         route = self.routes.get((method, path))
         if route is None:
@@ -213,6 +229,7 @@ class Dashboard:
             self._set_cookie(req, security.SESSION_COOKIE, security.session_value(self.guard.key),
                              max_age=12 * 3600)
             return Response.redirect(req.url("/"))
+        self.throttle.failed(self.redis(), _address(req))
         return self.render(req, "login.html", status="401 Unauthorized", failed=True)
 
     def logout(self, req: Request) -> Response:

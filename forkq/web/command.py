@@ -29,6 +29,9 @@ def add_web_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-url", default=None, help="Redis URL [env FORKQ_REDIS_URL]")
     p.add_argument("--url-prefix", default="", metavar="PATH",
                    help="serve under this path, e.g. /forkq behind a reverse proxy")
+    p.add_argument("--login-limit", type=whole_number("--login-limit", 0), default=10, metavar="N",
+                   help="wrong passwords or tokens one address may send in a minute before it "
+                        "is refused for the rest of it (default 10; 0: no limit)")
     p.add_argument("--threads", type=whole_number("--threads"), default=4, help="request threads (default 4)")
     p.set_defaults(handler=run)
 
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         app = Dashboard(args.redis_url, password=password, token=token,
-                        secret=os.environ.get("FORKQ_WEB_SECRET"))
+                        secret=os.environ.get("FORKQ_WEB_SECRET"), login_limit=args.login_limit)
     except (ConfigError, ValueError) as exc:  # a malformed Redis URL
         sys.stderr.write(f"forkq: {exc}\n")
         return 2

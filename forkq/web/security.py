@@ -95,6 +95,40 @@ def cookie_header(name: str, value: str, path: str, max_age: int | None = None,
     return ("Set-Cookie", "; ".join(parts))
 
 
+class Throttle:
+    """Refuses an address that sent `limit` wrong passwords or tokens within `window`
+    seconds, until that window ends: guessing is slowed to `limit` a window. Counted in
+    Redis, so every process of a multi-process server shares the count. Behind a reverse
+    proxy the address is the proxy's, and one guesser locks out everyone for a window."""
+
+    PREFIX = "forkq:web:auth-failures:"
+
+    def __init__(self, limit: int = 10, window: int = 60) -> None:
+        if limit < 0 or window < 1:
+            raise ValueError(f"login limit must be >= 0 and its window >= 1 s, not {limit}, {window}")
+        self.limit = limit
+        self.window = window
+
+    def wait(self, conn: Any, address: str) -> int:
+        """Seconds until `address` may try again; 0 if it may now."""
+        if not self.limit:
+            return 0
+        pipe = conn.pipeline(transaction=False)
+        pipe.get(self.PREFIX + address)
+        pipe.ttl(self.PREFIX + address)
+        count, ttl = pipe.execute()
+        return max(ttl, 1) if count is not None and int(count) >= self.limit else 0
+
+    def failed(self, conn: Any, address: str) -> None:
+        if not self.limit:
+            return
+        key = self.PREFIX + address
+        pipe = conn.pipeline(transaction=False)
+        pipe.set(key, 0, ex=self.window, nx=True)  # the window starts at the first failure
+        pipe.incr(key)
+        pipe.execute()
+
+
 class Guard:
     """Authentication and CSRF checks for one app."""
 
@@ -125,6 +159,13 @@ class Guard:
         if self.token:
             return same(cookies(environ).get(SESSION_COOKIE, ""), session_value(self.key))
         return False
+
+    @staticmethod
+    def offered(environ: dict[str, Any]) -> bool:
+        """Whether the request carries a password or token to check. A first visit carries
+        none, and a stale login cookie (a signed value nobody guesses) is no guess either:
+        counted, a dashboard page left open would lock its user out with its refreshes."""
+        return bool(environ.get("HTTP_AUTHORIZATION", "").strip())
 
     def challenge(self) -> list[tuple[str, str]]:
         """What to answer an unauthenticated request with (beside the status)."""
