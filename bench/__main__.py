@@ -1,6 +1,6 @@
 """Every benchmark scenario in one run, and one table of figures against issue 7's targets.
 
-    python -m bench           # the full run (about 3 minutes on 2 cores)
+    python -m bench           # the full run (about 4 minutes on 2 cores)
     python -m bench --quick   # smaller counts, under a minute: a smoke test of the figures
 
 Each scenario starts its own private redis-server on a free loopback port and its own
