@@ -17,16 +17,18 @@ class RedisUnavailable(ForkqError):
 class PartialEnqueue(RedisUnavailable):
     """enqueue_many pushed some batches, then Redis failed (unreachable, silent, or
     refusing writes). `jids` are in Redis; `unsure` (the failed batch's) may be; the
-    other jobs, from argument list `len(jids) + len(unsure)` on, were not pushed."""
+    argument lists from index `resume_at` on were not pushed."""
 
-    def __init__(self, jids: list[str], unsure: list[str], total: int, cause: BaseException) -> None:
-        pushed = f"{len(jids):,} of {total:,} jobs were pushed"
+    def __init__(self, jids: list[str], unsure: list[str], resume_at: int, total: int,
+                 cause: BaseException) -> None:
+        pushed = f"{resume_at - len(unsure):,} of {total:,} jobs were pushed"
         if unsure:
             pushed += f", the next {len(unsure):,} may have been"
         why = cause if isinstance(cause, ForkqError) else f"{type(cause).__name__}: {cause}"
         super().__init__(f"{pushed}, then: {why}", maybe_pushed=bool(unsure))
         self.jids = jids
         self.unsure = unsure
+        self.resume_at = resume_at
 
 
 class ConfigError(ForkqError):

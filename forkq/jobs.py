@@ -71,7 +71,8 @@ class Enqueuer:
                 # batch spans several queues whose pipeline stopped part way
                 sure_not = isinstance(exc, RedisUnavailable) and not exc.maybe_pushed
                 unsure = [] if sure_not or _one_queue_refused(exc, jobs) else [j["jid"] for j in jobs]
-                raise PartialEnqueue(jids, unsure, len(checked), exc) from exc
+                resume_at = start + len(jobs) if unsure else start
+                raise PartialEnqueue(jids, unsure, resume_at, len(checked), exc) from exc
         return jids
 
 

@@ -234,7 +234,8 @@ def test_enqueue_many_refused_part_way_says_which_jobs_are_in_redis(own_redis):
     assert [j["jid"] for j in _queue(admin)] == error.jids
     # the rest, pushed again once Redis takes writes, completes the set with no repeat
     admin.config_set("maxmemory", 0)
-    core_jobs.record.options(client=client).enqueue_many(items[len(error.jids):])
+    assert error.resume_at == 1000
+    core_jobs.record.options(client=client).enqueue_many(items[error.resume_at:])
     assert _args_in(admin) == list(range(2500))
     admin.close()
 
@@ -250,6 +251,7 @@ def test_enqueue_many_whose_reply_is_lost_part_way_names_the_batch_that_may_be_i
         own_redis.resume()
     error = info.value
     assert len(error.jids) == 1000 and len(error.unsure) == 1000 and error.maybe_pushed
+    assert error.resume_at == 2000
     assert "the next 1,000 may have been" in str(error)
     admin = own_redis.client()
     # the frozen server held the batch's bytes: whether it ran them is what `unsure` means
