@@ -134,8 +134,8 @@ class Dashboard:
         if self.authorize is not None and not self.authorize(req.environ):
             return Response.text("forbidden\n", "403 Forbidden")
         # before anything else, even a 404: an outsider learns nothing, not even the Redis host
-        logging_in = method == "POST" and path == "/login"
-        if not self.guard.open and (logging_in or self.guard.offered(req.environ)):
+        offered = self.guard.offered(req.environ)
+        if not self.guard.open and (offered or (method == "POST" and path == "/login")):
             wait = self.throttle.wait(self.redis(), _address(req))
             if wait:
                 resp = Response.text(f"too many failed logins from this address: try again in "
@@ -143,7 +143,7 @@ class Dashboard:
                 resp.headers.append(("Retry-After", str(wait)))
                 return resp
         if path != "/login" and not self.guard.authenticated(req.environ):
-            if self.guard.offered(req.environ):
+            if offered:
                 self.throttle.failed(self.redis(), _address(req))
             return self.unauthorized(req)
         route = self.routes.get((method, path))
