@@ -19,6 +19,7 @@ import redis
 
 from . import client, control, keys, payload, scripts
 from .errors import MalformedPayload
+from .retry import MALFORMED_CLASS
 
 DEFAULT_PAGE = 500
 
@@ -296,18 +297,20 @@ class SortedSet:
         """Move entries onto their queues now, with `enqueued_at` set, through the same
         ZREM-guarded script the scheduler uses: an entry another process moved or deleted
         meanwhile is not pushed twice. As Sidekiq does, `retry_count` goes down by one, so
-        a retried job that fails again keeps the count it had. Unparseable entries stay."""
+        a retried job that fails again keeps the count it had (0 goes to -1). Unparseable
+        entries, and entries for what was never a runnable job, stay."""
         now = time.time()
         argv: list[Any] = []
         for entry in entries:
-            if entry.job is None:
+            if entry.job is None or entry.job.get("class") == MALFORMED_CLASS:
                 continue
             job = dict(entry.job)
             name = job.get("queue", "default")
             if type(name) is not str or not name or "\n" in name:
                 continue
-            if self.name != keys.SCHEDULE and type(job.get("retry_count")) is int \
-                    and job["retry_count"] > 0:
+            # as Sidekiq's SortedEntry#retry: 0 becomes -1, so the next failure is 0 again
+            # and a retry-now never uses up one of the job's retries
+            if self.name != keys.SCHEDULE and type(job.get("retry_count")) is int:
                 job["retry_count"] -= 1
             job["enqueued_at"] = now
             argv += [entry.raw, name, payload.dumps(job)]

@@ -79,6 +79,9 @@ class Processor:
             # own code (signals reach only the main thread): it is that job's failure, and
             # re-raising would end this thread with the job stuck in flight.
             self.failed += 1
+            # Sidekiq retries a job on the queue it was fetched from (unless retry_queue):
+            # a payload without "queue" must not come back on "default"
+            job["queue"] = unit.queue
             elapsed = (time.perf_counter() - started) * 1000
             try:
                 fate = self.manager.write(self.outcomes.failed, job, exc, unit.token, jobdef)

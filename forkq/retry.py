@@ -33,8 +33,9 @@ def retry_option(job: dict[str, Any], jobdef: "Job | None" = None) -> Any:
     """The payload's `retry`; a payload without one (pushed by a bare Sidekiq-format client)
     takes the registered job's option, and an unknown job keeps Sidekiq's default of
     retrying, since its code may be on the way in a rolling deploy."""
-    if "retry" in job:
+    if job.get("retry") is not None:
         return job["retry"]
+    # absent or null: Sidekiq takes the job class's option (JobRetry#local)
     return jobdef.retry if jobdef is not None else True
 
 
@@ -76,7 +77,10 @@ def record_failure(job: dict[str, Any], exc: BaseException, now: float) -> None:
     job["error_message"] = _utf8(message(exc)[:MESSAGE_LIMIT])
     job["error_class"] = error_class(exc)
     count = job.get("retry_count")
-    if type(count) is int and count >= 0:
+    # -1 is a count too: Sidekiq's Web UI "Retry" (and forkq's retry-now) lowers a count
+    # of 0 to -1, and the next failure must make it 0 again and keep failed_at, as Sidekiq
+    # does; anything lower is not a count
+    if type(count) is int and count >= -1:
         job["retry_count"] = count + 1
         job["retried_at"] = now
     else:
@@ -94,9 +98,26 @@ def record_failure(job: dict[str, Any], exc: BaseException, now: float) -> None:
         job["error_backtrace"] = payload.encode_backtrace([_utf8(ln) for ln in lines])
 
 
+def _retry_for_over(job: dict[str, Any], now: float) -> bool:
+    """Sidekiq 7.1+'s `retry_for` (seconds since the first failure): past it, retries are
+    exhausted whatever the count."""
+    limit = job.get("retry_for")
+    first = payload.seconds(job.get("failed_at"))
+    if type(limit) not in (int, float) or first is None:
+        return False
+    return first + limit < now
+
+
+# The queue of a dead entry for something that had no usable queue of its own: one nobody
+# serves, so Sidekiq's "Retry" (which refuses an empty queue name and drops the entry)
+# parks it there, bytes and all. forkq's own retry-now leaves these entries in `dead`.
+MALFORMED_QUEUE = "forkq-malformed"
+MALFORMED_CLASS = "forkq.MalformedJob"
+
+
 def dead_entry_for_malformed(raw: bytes, queue: str, reason: str, now: float) -> dict[str, Any]:
     """A dead-set entry for something that was never a runnable job, keeping its bytes."""
-    entry: dict[str, Any] = {"class": "forkq.MalformedJob", "args": [], "jid": payload.new_jid(),
+    entry: dict[str, Any] = {"class": MALFORMED_CLASS, "args": [], "jid": payload.new_jid(),
                              "queue": queue, "retry": False, "error_class": "forkq.MalformedPayload",
                              "error_message": reason, "failed_at": now}
     try:
@@ -163,7 +184,7 @@ class Outcomes:
             return "dropped", self.drop
         record_failure(job, exc, now)
         count = job["retry_count"]
-        if count < limit:
+        if count < limit and not _retry_for_over(job, now):
             decision = self._decide(jobdef, count, exc)
             if decision == "discard":
                 return "discarded", self.drop

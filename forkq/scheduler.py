@@ -10,7 +10,7 @@ from typing import Any
 import redis
 
 from . import keys, logs, payload, scripts
-from .retry import Outcomes, dead_entry_for_malformed
+from .retry import MALFORMED_QUEUE, Outcomes, dead_entry_for_malformed
 
 log = logs.get("forkq.scheduler")
 BATCH = 100
@@ -81,7 +81,7 @@ class Scheduler:
                 text.encode("utf-8")
             except ValueError as exc:
                 reason = f"in {key}: {exc}".encode("utf-8", "backslashreplace").decode()
-                entry = dead_entry_for_malformed(member, "", reason, now)
+                entry = dead_entry_for_malformed(member, MALFORMED_QUEUE, reason, now)
                 self.outcomes.to_dead(entry, member, now, source=key, kind="zset")
                 log.error("malformed entry moved to the dead set", source=key, reason=reason)
                 continue

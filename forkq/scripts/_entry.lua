@@ -18,13 +18,25 @@ local function claimed(field)
   return tonumber(string.match(field, "^%d+")) or 0
 end
 
+-- A member for the dead set, trimmed afterwards as Sidekiq trims it on every insert
+-- (keys.DEAD_TIMEOUT_S and keys.DEAD_MAX_JOBS; a test holds these numbers to them).
+local function add_dead(member, now)
+  redis.call('ZADD', 'dead', now, member)
+  redis.call('ZREMRANGEBYSCORE', 'dead', '-inf', '(' .. (tonumber(now) - 15552000))
+  redis.call('ZREMRANGEBYRANK', 'dead', 0, -10001)
+end
+
 -- What forkq cannot run or put back anywhere goes to dead with the reason, its bytes kept:
 -- left in place it would fail every later call. `n` tells apart those sent in one call.
+-- Its queue is one nobody serves, so Sidekiq's "Retry" (which refuses an empty queue and
+-- drops the entry) parks it there instead of losing it; "args" is spliced in as text
+-- because cjson writes an empty table as {}, which Sidekiq refuses as well.
 local function malformed_to_dead(original, reason, n)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-  redis.call('ZADD', 'dead', now, cjson.encode({
-    ['class'] = 'forkq.MalformedJob', args = {}, jid = string.format('%012x%06x%06x', t[1], t[2], n),
-    queue = '', retry = false, error_class = 'forkq.MalformedPayload', error_message = reason,
-    failed_at = now, forkq_original = original}))
+  local rest = cjson.encode({
+    ['class'] = 'forkq.MalformedJob', jid = string.format('%012x%06x%06x', t[1], t[2], n),
+    queue = 'forkq-malformed', retry = false, error_class = 'forkq.MalformedPayload',
+    error_message = reason, failed_at = now, forkq_original = original})
+  add_dead('{"args":[],' .. string.sub(rest, 2), now)
 end

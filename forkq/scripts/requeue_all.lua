@@ -61,12 +61,18 @@ for _, item in ipairs(items) do
       local count = redis.call('INCR', key)
       redis.call('EXPIRE', key, 86400)
       if count >= limit then
-        decoded['error_class'] = 'forkq.PoisonJob'
-        decoded['error_message'] = 'killed its worker process ' .. count .. ' times'
-        decoded['failed_at'] = tonumber(ARGV[4])
-        -- cjson re-encodes the payload; the original is kept in a field so nothing is lost
-        decoded['forkq_original'] = job
-        redis.call('ZADD', 'dead', ARGV[4], cjson.encode(decoded))
+        -- The payload keeps its own text, with the reason appended: cjson would write an
+        -- empty [] as {} (args, tags), round integers past 2^53 and cut floats to 14
+        -- digits, and Sidekiq's "Retry" refuses (and drops) such an entry. A key the
+        -- payload already has (error_class after an earlier failure) is written twice;
+        -- JSON readers (Ruby's, Python's, orjson) keep the last. failed_at stays the first
+        -- failure's, as Sidekiq keeps it.
+        local extra = ',"error_class":"forkq.PoisonJob","error_message":'
+          .. cjson.encode('killed its worker process ' .. count .. ' times')
+        if decoded['failed_at'] == nil then
+          extra = extra .. ',"failed_at":' .. ARGV[4]
+        end
+        add_dead(string.gsub(job, '%s*}%s*$', '') .. extra .. '}', ARGV[4])
         redis.call('DEL', key)
         poisoned = poisoned + 1
       else
