@@ -73,6 +73,13 @@ def build_parser() -> ArgumentParser:
         if action == "check":
             p.add_argument("--max-age", type=_positive_float("--max-age"), default=30.0,
                            help="oldest acceptable child heartbeat, seconds (default 30)")
+            p.add_argument("--stuck-after", type=_positive_float("--stuck-after"), default=30.0,
+                           help="seconds without a turn of the master's loop (it marks its pidfile "
+                                "every 5 s) that make it unhealthy (default 30)")
+            p.add_argument("--require-redis", action="store_true",
+                           help="fail when Redis cannot be reached (a readiness probe: a pod with a "
+                                "wrong URL or password must not count as ready); without it an "
+                                "unreachable Redis is judged by the processes alone (liveness)")
     add_admin_commands(sub)
     from .web.command import add_web_command
     add_web_command(sub)
@@ -244,7 +251,7 @@ def ctl(args: argparse.Namespace) -> int:
     try:
         rows = control.children_of(pid, control.redis_for_ctl())
     except redis_errors() as exc:
-        if args.action != "check":
+        if args.action != "check" or args.require_redis:
             raise
         # a Redis outage is not this pod's fault, and restarting it would not help: judge
         # by the processes alone (the master replaces children that die or hang)
@@ -256,6 +263,13 @@ def ctl(args: argparse.Namespace) -> int:
         print(f"ok: master {pid}, {len(children)} children (Redis unreachable, heartbeats not checked: {exc})")
         return 0
     if args.action == "check":
+        stalled = control.pidfile_age(args.pidfile)
+        if stalled is not None and stalled > args.stuck_after:
+            # the children beat on their own: only this shows a master whose loop is stuck
+            # (it would neither replace a dead child nor answer a stop)
+            sys.stderr.write(f"forkq: unhealthy: master {pid} has not turned its loop "
+                             f"for {stalled:.0f}s\n")
+            return 1
         bad = [r for r in rows if r["beat_age"] is None or r["beat_age"] > args.max_age]
         if not rows or bad:
             sys.stderr.write(f"forkq: unhealthy: master {pid} has {len(rows)} children, "
@@ -339,8 +353,8 @@ def _start(settings: Settings) -> int:
     from .control import pidfile
     from .supervisor import Supervisor
     try:
-        with pidfile(settings.pidfile):
-            return Supervisor(settings).run()
+        with pidfile(settings.pidfile) as path:
+            return Supervisor(settings, pidfile=path).run()
     except ConfigError as exc:
         sys.stderr.write(f"forkq: {exc}\n")
         return 2

@@ -44,13 +44,21 @@ def _fallback_pidfile() -> str:
 def pidfile(path: str | None) -> Iterator[str | None]:
     """Hold a pidfile for this process: written atomically, removed at exit if still ours.
 
-    A pidfile naming another live forkq master is left alone (with a warning), so two
-    masters on one host don't fight over the default path; give each its own --pidfile.
+    A pidfile named by the operator (flag, environment or file) that names another live
+    forkq master refuses the start: this master could not be reached by `forkq ctl`. The
+    built-in default is only left alone, with a warning, so that two masters started
+    casually on one host still run.
+
+    The master touches the file as its loop turns (`touch`), so `forkq ctl check` can
+    tell a stuck master from a live one.
     """
-    # start resolved flag > env > file already: only the built-in default is left
+    chosen = path is not None  # start resolved flag > env > file already
     path = path or _fallback_pidfile()
     other = read_pid(path)
     if other is not None and other != os.getpid() and _is_forkq_master(other):
+        if chosen:
+            raise ConfigError(f"--pidfile {path} belongs to forkq master {other}, which is running: "
+                              "give this one a pidfile of its own")
         log.warning("pidfile belongs to another running forkq master; not writing it",
                     pidfile=path, other_pid=other)
         yield None
@@ -69,6 +77,19 @@ def pidfile(path: str | None) -> Iterator[str | None]:
         if read_pid(path) == os.getpid():
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+
+def touch(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+def pidfile_age(path: str | None) -> float | None:
+    """Seconds since the master last touched its pidfile (None: it cannot be read)."""
+    try:
+        return time.time() - os.stat(path or default_pidfile()).st_mtime
+    except OSError:
+        return None
 
 
 def read_pid(path: str) -> int | None:
@@ -108,7 +129,10 @@ def find_master(path: str | None) -> int:
 
 def signal_master(path: str | None, signum: int) -> int:
     pid = find_master(path)
-    os.kill(pid, signum)
+    try:
+        os.kill(pid, signum)
+    except PermissionError:
+        raise ConfigError(f"not allowed to signal master {pid}: run forkq ctl as its user") from None
     return pid
 
 

@@ -31,6 +31,19 @@ from .queues import QueueOrder
 log = logs.get("forkq.fetch")
 
 
+def pid_namespace() -> str | None:
+    """This boot and PID namespace, "BOOT_ID:INODE": pids mean the same thing only to
+    processes that share it. Containers with one hostname (the containers of a pod,
+    hostNetwork pods on a node, `docker run --network host`) and hosts cloned with the
+    same name do not; None where it cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
 class Unit(NamedTuple):
     token: str   # its field in the in-flight hash: "NUMBER\nQUEUE"
     queue: str
@@ -72,7 +85,7 @@ class ReliableFetch:
     def register(self) -> None:
         """Record this process as an owner of private structures, before any claim."""
         info = {"queues": self.order.names, "host": socket.gethostname(), "pid": os.getpid(),
-                "master": self.master, "started_at": time.time()}
+                "pidns": pid_namespace(), "master": self.master, "started_at": time.time()}
         self.owner_json = json.dumps(info)
         self.redis.hset(keys.OWNERS, self.identity, self.owner_json)
 

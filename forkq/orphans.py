@@ -21,7 +21,7 @@ import psutil
 import redis
 
 from . import keys, logs
-from .fetch import requeue_owner_counts
+from .fetch import pid_namespace, requeue_owner_counts
 
 log = logs.get("forkq.orphans")
 LOCK = "forkq:orphan-lock"
@@ -76,11 +76,14 @@ def dead_owners(client: redis.Redis, recovery_delay: float, *, this_host_now: bo
     beats = pipe.execute()
     now = time.time()
     host = socket.gethostname()
+    here = pid_namespace()
     dead = []
     for identity, beat in zip(identities, beats):
         info = _owner_info(owners[identity])
         queues = [q for q in info.get("queues", []) if isinstance(q, str)]
-        if this_host_now and info.get("host") == host:
+        # the pid rule only where a pid names the same process for us as for the owner:
+        # elsewhere a live master's pid may be free, or another process's, in our namespace
+        if this_host_now and here is not None and info.get("host") == host and info.get("pidns") == here:
             pid = _master_pid(info)
             if pid is not None and pid != os.getpid() and not _alive_here(pid):
                 dead.append((identity.decode(), queues))

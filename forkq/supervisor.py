@@ -24,7 +24,7 @@ import psutil
 import redis
 import setproctitle
 
-from . import client, hooks, logs, orphans, systemd
+from . import client, control, hooks, logs, orphans, systemd
 from .fetch import requeue_owner_counts
 from .metrics import MetricsServer
 from .settings import STOP_GRACE_S, STOP_PATIENCE_S, Settings
@@ -69,8 +69,10 @@ class Stats:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, pidfile: str | None = None) -> None:
         self.settings = settings
+        self.pidfile = pidfile
+        self._pidfile_touched = time.monotonic()
         self.children: dict[int, Child] = {}
         self.slots = [Slot() for _ in range(settings.processes)]
         self.state = "running"            # running | quiet | stopping
@@ -86,6 +88,7 @@ class Supervisor:
         self.exit_code = 0
         self._ready_sent = False
         self._redis_ok_since: float | None = None
+        self._requeue_retry_at = 0.0   # after Redis failed a requeue, don't block on it again
         self._next_sweep = 0.0
         # a dead forkq's jobs are back within about delay + delay/4 + one heartbeat
         self._sweep_every = max(1.0, min(settings.recovery_delay / 4, 15.0))
@@ -118,6 +121,7 @@ class Supervisor:
                 self.spawn_missing()
                 self.set_title()
                 self.notify_systemd()
+                self.touch_pidfile()
                 if self.state in ("stopping", "failed") and not self.children:
                     break
                 self.wait_for_events(0.5)
@@ -226,7 +230,11 @@ class Supervisor:
         for line in lines:
             if line.startswith(b"B") and line[1:].isdigit():
                 child.busy = int(line[1:])
-                child.ready = True
+                if not child.ready:
+                    child.ready = True
+                    # a child that got going ends its slot's streak of failed starts: a slot
+                    # that recovered is no longer crash-looping (the watchdog relies on this)
+                    self.slots[child.slot].failures = 0
             elif line == b"Q":
                 if self.state == "running":
                     log.info("quiet requested through Redis", slot=child.slot, child_pid=child.pid)
@@ -300,6 +308,8 @@ class Supervisor:
     def requeue_pending(self, final: bool = False) -> dict[str, tuple[int, int]]:
         """Put dead children's jobs back; {identity: (requeued, poisoned)} of those done now."""
         done: dict[str, tuple[int, int]] = {}
+        if not final and time.monotonic() < self._requeue_retry_at:
+            return done  # each try can block the loop for the socket timeout
         # The final pass, as the master exits, gives an unreachable Redis STOP_PATIENCE_S
         # (at least one try: a frozen Redis takes the socket timeout), then leaves the rest
         # to orphan recovery; before that, a failure waits for the next turn of the loop.
@@ -312,6 +322,7 @@ class Supervisor:
                     crashed=crashed and self.state != "stopping", poison_after=self.settings.poison_after)
             except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
                 if not final:
+                    self._requeue_retry_at = time.monotonic() + 5.0
                     log.warning("cannot requeue a dead child's jobs yet: Redis unreachable", error=str(exc))
                     return done
                 if time.monotonic() >= give_up:
@@ -543,10 +554,20 @@ class Supervisor:
             self._last_watchdog = now
             systemd.watchdog()
 
+    def touch_pidfile(self) -> None:
+        """Show `forkq ctl check` that this loop turns (children beat without it)."""
+        now = time.monotonic()
+        if self.pidfile is not None and now - self._pidfile_touched >= 5.0:
+            self._pidfile_touched = now
+            control.touch(self.pidfile)
+
     def healthy(self, now: float) -> bool:
         """No slot in a crash loop and every child pinging: what the systemd watchdog vouches for."""
+        # a child being retired (HUP, --max-memory) stops pinging while it drains its jobs
+        # for up to --timeout; enforce_stop_deadline bounds that, not the hang timeout
         return (all(s.failures == 0 for s in self.slots)
-                and all(now - c.last_ping < self.settings.hang_timeout for c in self.children.values()))
+                and all(now - c.last_ping < self.settings.hang_timeout
+                        for c in self.children.values() if c.stopping_since is None))
 
 
 class ChildStartError(Exception):

@@ -558,3 +558,48 @@ def test_remote_ctl_without_redis_is_one_line(tmp_path):
     out = ctl("quiet", "--all", cwd=tmp_path, env={"FORKQ_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"})
     assert out.returncode == 1
     one_line_failure(out, "cannot reach Redis")
+
+
+@pytest.mark.timeout(60)
+def test_check_fails_while_the_master_is_stuck_though_its_children_beat(start_master, r, tmp_path):
+    """Children heartbeat whatever their master does: a master whose loop is stuck would
+    neither replace a dead child nor answer a stop, and only its pidfile's age shows it."""
+    m = start_master("--heartbeat-interval", "0.5", processes=1)
+    m.wait_ready(r)
+    check = ("check", "--stuck-after", "8", "--pidfile", str(m.pidfile))
+    ok(ctl(*check, cwd=tmp_path))
+    os.kill(m.pid, signal.SIGSTOP)
+    try:
+        out = wait_until(lambda: (o := ctl(*check, cwd=tmp_path)).returncode != 0 and o,
+                         timeout=20, interval=0.5, message="check failing on a stopped master")
+        one_line_failure(out, "unhealthy", str(m.pid), "has not turned its loop")
+    finally:
+        os.kill(m.pid, signal.SIGCONT)
+    wait_until(lambda: ctl(*check, cwd=tmp_path).returncode == 0, timeout=15, interval=0.5,
+               message="check healthy again once the master runs")
+
+
+@pytest.mark.timeout(60)
+def test_a_second_master_on_a_chosen_pidfile_refuses_to_start(start_master, r, tmp_path):
+    first = start_master(processes=1)
+    first.wait_ready(r)
+    second = subprocess.run(first.cmd, env=first.env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=30, stdin=subprocess.DEVNULL)
+    assert second.returncode == 2
+    err = second.stderr.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert str(first.pidfile) in err and f"belongs to forkq master {first.pid}" in err
+    assert read_pidfile(first.pidfile) == first.pid
+    ok(ctl("check", "--pidfile", str(first.pidfile), cwd=tmp_path))
+
+
+@pytest.mark.timeout(60)
+def test_check_require_redis_fails_where_redis_cannot_be_reached(start_master, r, tmp_path):
+    """Liveness judges a pod by its processes when Redis is away (restarting would not
+    help); readiness must not call a pod with a wrong Redis URL ready."""
+    m = start_master(processes=1)
+    m.wait_ready(r)
+    wrong = {"FORKQ_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    out = ok(ctl("check", "--pidfile", str(m.pidfile), cwd=tmp_path, env=wrong))
+    assert "Redis unreachable" in out.stdout
+    one_line_failure(ctl("check", "--require-redis", "--pidfile", str(m.pidfile), cwd=tmp_path, env=wrong))

@@ -6,11 +6,13 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 
@@ -209,3 +211,23 @@ def test_dead_owner_rules(r):
     assert r.lrange("queue:default", 0, -1) == [b'{"class":"c","args":[],"jid":"j"}']
     assert set(r.hkeys(keys.OWNERS)) == {b"fresh-beat", b"young-no-beat"}
     assert not r.exists(orphans.LOCK)
+
+
+def test_a_dead_master_pid_means_dead_only_in_our_own_pid_namespace(r):
+    """Containers of one pod share a hostname but not pids: an owner whose master pid is
+    free here may be alive in its own namespace, and only its heartbeat can tell."""
+    now = time.time()
+    gone = 2**22 + 12345  # past pid_max's default: no process has it here
+    assert not psutil.pid_exists(gone)
+    entry = {"queues": ["default"], "host": socket.gethostname(), "pid": gone,
+             "master": f"{socket.gethostname()}:{gone}:x", "started_at": now}
+    r.hset(keys.OWNERS, mapping={
+        "same-ns": json.dumps(dict(entry, pidns=orphans.pid_namespace())),
+        "other-ns": json.dumps(dict(entry, pidns="another-boot:4026531836")),
+        "older-version": json.dumps(entry),
+    })
+    for identity in ("same-ns", "other-ns", "older-version"):
+        r.hset(identity, "beat", now)
+    assert orphans.pid_namespace() is not None
+    dead = {i for i, _ in orphans.dead_owners(r, 60, this_host_now=True)}
+    assert dead == {"same-ns"}

@@ -90,3 +90,29 @@ def test_children_do_not_inherit_notify_socket(redis_url, tmp_path):
             if master.poll() is None:
                 os.killpg(master.pid, signal.SIGKILL)
         sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_watchdog_keeps_pinging_once_a_slot_recovers_from_a_failed_start(redis_url, tmp_path):
+    """One failed start per slot, then healthy children: systemd must go on hearing
+    WATCHDOG=1, or it kills a service that has recovered."""
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    env = dict(os.environ, NOTIFY_SOCKET=path, WATCHDOG_USEC="1000000", FORKQ_REDIS_URL=redis_url,
+               PYTHONPATH=str(REPO), FLAKY_DIR=str(tmp_path))
+    master = subprocess.Popen(
+        [sys.executable, "-m", "forkq", "start", "--processes", "2", "--concurrency", "1",
+         "--require", str(REPO / "tests" / "apps" / "flaky_on_fork.py"),
+         "--pidfile", str(tmp_path / "forkq.pid")],
+        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        msgs = _collect(sock, lambda m: any(x.startswith("READY=1") for x in m), 30)
+        assert (tmp_path / "slot0").exists() and (tmp_path / "slot1").exists()
+        after = _collect(sock, lambda m: sum(x == "WATCHDOG=1" for x in m) >= 3, 10)
+        assert sum(x == "WATCHDOG=1" for x in after) >= 3, msgs + after
+    finally:
+        if master.poll() is None:
+            os.killpg(master.pid, signal.SIGKILL)
+            master.wait()
+        sock.close()
