@@ -313,7 +313,11 @@ class SortedSet:
             if self.name != keys.SCHEDULE and type(job.get("retry_count")) is int:
                 job["retry_count"] -= 1
             job["enqueued_at"] = now
-            argv += [entry.raw, name, payload.dumps(job)]
+            try:
+                encoded = payload.dumps(job)
+            except ValueError:  # NaN/Infinity that json.loads let in: leave it, retry the rest
+                continue
+            argv += [entry.raw, name, encoded]
         if not argv:
             return 0
         return int(scripts.load(self.redis, "move_due")(keys=[self.name], args=argv))

@@ -112,7 +112,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     common.add_argument("--redis-url", default=None, help="Redis URL [env FORKQ_REDIS_URL]")
     common.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
     p = sub.add_parser("stats", parents=[common], help="processed/failed totals, set sizes, daily history")
-    p.add_argument("--days", type=whole_number("--days"), default=7, help="days of history (default 7)")
+    p.add_argument("--days", type=whole_number("--days", 1, 3660), default=7, help="days of history (default 7)")
     sub.add_parser("queues", parents=[common], help="each queue: size and latency")
     sub.add_parser("processes", parents=[common], help="live processes grouped by master")
     sub.add_parser("busy", parents=[common], help="the jobs running now, longest-running first")
@@ -164,6 +164,8 @@ def load_app(requires: list[str]) -> None:
                 sys.path.insert(0, str(path.parent))
                 name = path.stem
             _import(item, name)
+        elif not item or not all(part.isidentifier() for part in item.split(".")):
+            raise ConfigError(f"--require {item!r}: not a dotted module name (app.jobs) or a .py file")
         else:
             _import(item, item)
 
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             print(config.describe(settings, sources))
             return 0
         return start(settings)
+    import redis
     try:
         if args.command in ADMIN_COMMANDS:
             return admin(args)
@@ -207,6 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     except redis_errors() as exc:
         sys.stderr.write(f"forkq: cannot reach Redis: {exc}\n")
         return 1
+    except redis.RedisError as exc:  # DB index out of range, WRONGTYPE, not a Redis server...
+        sys.stderr.write(f"forkq: Redis error: {type(exc).__name__}: {exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("forkq: interrupted\n")
+        return 130
+    except BrokenPipeError:  # `forkq dead list | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def redis_errors() -> tuple[type[BaseException], ...]:
@@ -225,7 +237,11 @@ def ctl(args: argparse.Namespace) -> int:
     settings, _ = config.resolve({}, config_path=os.environ.get("FORKQ_CONFIG"))
     if settings.redis_url:
         os.environ.setdefault("FORKQ_REDIS_URL", settings.redis_url)
-    remote = getattr(args, "identity", None) or getattr(args, "host", None) or getattr(args, "all", False)
+    for flag in ("identity", "host"):
+        if getattr(args, flag, None) == "":
+            raise ConfigError(f"--{flag} needs a value, not an empty string")
+    remote = (getattr(args, "identity", None) is not None or getattr(args, "host", None) is not None
+              or getattr(args, "all", False))
     if args.action in ("quiet", "stop") and remote:
         signame = "TSTP" if args.action == "quiet" else "TERM"
         sent = control.remote_signal(control.redis_for_ctl(), signame, identity=args.identity,
@@ -294,6 +310,14 @@ def warn_about_redis(settings: Settings) -> None:
     import redis
     conn = client.connect(settings.redis_url, socket_timeout=5)
     try:
+        conn.ping()
+    except (redis.ConnectionError, redis.TimeoutError):
+        pass  # an outage: the warning below, and workers retry
+    except redis.RedisError as exc:  # it answered, but no retry will help: DB out of range, not Redis
+        conn.close()
+        raise ConfigError(f"--redis-url {client.mask_url(client.redis_url(settings.redis_url))}: "
+                          f"{type(exc).__name__}: {exc}") from None
+    try:
         policy = conn.config_get("maxmemory-policy")
     except redis.ResponseError:
         return  # CONFIG is disabled on many managed servers; nothing to learn then
@@ -339,10 +363,10 @@ def _start(settings: Settings) -> int:
         load_app(settings.require)
         from . import client
         client.connect(settings.redis_url)  # validates the URL before anything forks
+        warn_about_redis(settings)
     except (ConfigError, ValueError) as exc:
         sys.stderr.write(f"forkq: {exc}\n")
         return 2
-    warn_about_redis(settings)
     if settings.no_fork:
         from .worker import run_standalone
         logs.configure(settings.log_level, settings.log_format, buffered=True)
@@ -367,6 +391,7 @@ ADMIN_COMMANDS = ("stats", "queues", "processes", "busy", *SET_ACTIONS)
 
 def admin(args: argparse.Namespace) -> int:
     """Run one admin command; a Redis failure is one line naming the (masked) URL."""
+    import redis
     from . import api, client
     url = client.redis_url(args.redis_url)
     try:
@@ -377,6 +402,10 @@ def admin(args: argparse.Namespace) -> int:
                        "busy": _busy}[args.command](conn, args)
     except redis_errors() as exc:
         sys.stderr.write(f"forkq: cannot reach Redis at {client.mask_url(url)}: {exc}\n")
+        return 1
+    except redis.RedisError as exc:
+        sys.stderr.write(f"forkq: Redis at {client.mask_url(url)} answered with an error: "
+                         f"{type(exc).__name__}: {exc}\n")
         return 1
     _emit(args, data, table)
     return 0
@@ -389,13 +418,20 @@ def _emit(args: argparse.Namespace, data: object, table: list[str]) -> None:
 
 def _table(header: list[str], rows: list[list[object]]) -> list[str]:
     """Columns as wide as their widest cell; numbers right-aligned, text left-aligned."""
-    cells = [[str(c) for c in header]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    cells = [[str(c) for c in header]] + [["-" if c is None else _printable(str(c)) for c in row]
+                                          for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     numeric = [all(isinstance(row[i], (int, float)) for row in rows) and rows for i in range(len(header))]
     def line(row: list[str]) -> str:
         return "  ".join(c.rjust(w) if num else c.ljust(w)
                          for c, w, num in zip(row, widths, numeric)).rstrip()
     return [line(r) for r in cells]
+
+
+def _printable(text: str) -> str:
+    """A cell as one line, with no terminal escapes: payloads and error messages are input."""
+    import re
+    return re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: repr(m.group())[1:-1], text)
 
 
 def _age(seconds: float | None) -> str:
@@ -489,6 +525,11 @@ def _set_command(conn, args: argparse.Namespace) -> int:
             sys.stderr.write(f"forkq: no entry with jid {args.jid} in {args.command}\n")
             return 1
         count = action([entry])
+        if count == 0 and args.action not in ("delete", "kill"):
+            sys.stderr.write(f"forkq: could not {args.action} jid {args.jid}: it is no runnable job "
+                             "(a malformed entry, no valid queue name, or NaN/Infinity in it; "
+                             "see `list --json`)\n")
+            return 1
     else:
         count = zset.apply(action, None if args.all else where)
     _emit(args, {"set": args.command, "action": args.action, "count": count},

@@ -27,11 +27,22 @@ def positive_int(text: Any) -> int:
         raise ValueError(f"must be a whole number, not {text!r}")
     try:
         value = int(text)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: a TOML inf
         raise ValueError(f"must be a whole number, not {text!r}") from None
     if isinstance(text, float) and text != value or value < 1:
         raise ValueError(f"must be a whole number of at least 1, not {text!r}")
     return value
+
+
+def at_most(high: int) -> Callable[[Any], int]:
+    """positive_int with a ceiling: a typo of a few zeros must not try to fork or start a
+    million of something (the process hangs, half-started, where it should refuse)."""
+    def parse(text: Any) -> int:
+        value = positive_int(text)
+        if value > high:
+            raise ValueError(f"must be at most {high}, not {text!r}")
+        return value
+    return parse
 
 
 def positive_float(text: Any) -> float:
@@ -39,7 +50,7 @@ def positive_float(text: Any) -> float:
         raise ValueError(f"must be a number, not {text!r}")
     try:
         value = float(text)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"must be a number, not {text!r}") from None
     if not value > 0 or value == float("inf"):
         raise ValueError(f"must be a number above 0, not {text!r}")
@@ -51,7 +62,7 @@ def port(value: Any) -> int:
         raise ValueError(f"must be a TCP port number (1-65535), not {value!r}")
     try:
         number = int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"must be a TCP port number (1-65535), not {value!r}") from None
     if isinstance(value, float) and value != number or not 1 <= number <= 65535:
         raise ValueError(f"must be a TCP port number (1-65535), not {value!r}")
@@ -134,8 +145,8 @@ class Option:
 OPTIONS = [
     Option("--require", "require", text, "dotted module or .py file that defines jobs (repeatable)",
            "-r", repeat=True, metavar="MODULE_OR_PATH"),
-    Option("--processes", "processes", positive_int, "child processes to fork (default: CPU count)", "-p"),
-    Option("--concurrency", "concurrency", positive_int, "processor threads per process (default 10)", "-c"),
+    Option("--processes", "processes", at_most(1024), "child processes to fork (default: CPU count)", "-p"),
+    Option("--concurrency", "concurrency", at_most(1000), "processor threads per process (default 10)", "-c"),
     Option("--queue", "queues", queue, "queue to work, NAME or NAME,WEIGHT (repeatable; default: default)",
            "-q", repeat=True, metavar="NAME[,WEIGHT]", nonempty=True),
     Option("--timeout", "timeout", positive_float, "seconds running jobs get to finish at stop (default 25)", "-t"),

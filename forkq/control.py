@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -160,18 +161,31 @@ def heartbeats(conn: redis.Redis) -> list[dict[str, Any]]:
         pipe.hgetall(m)
     out = []
     now = time.time()
-    for m, h in zip(members, pipe.execute()):
-        if not h:
+    # raise_on_error=False: a member whose key is not a hash (WRONGTYPE) is skipped, not fatal
+    for m, h in zip(members, pipe.execute(raise_on_error=False)):
+        if not h or not isinstance(h, dict):
             continue
         try:
             info = json.loads(h.get(b"info", b"{}"))
         except ValueError:
             info = {}
-        beat = float(h.get(b"beat", 0) or 0)
-        out.append({"identity": m.decode(), "info": info, "busy": int(h.get(b"busy", 0) or 0),
-                    "quiet": h.get(b"quiet") == b"true", "rss_kb": int(h.get(b"rss", 0) or 0),
-                    "beat_age": now - beat if beat else None})
+        if not isinstance(info, dict):  # a heartbeat written by something else: show what parses
+            info = {}
+        beat = _number(h.get(b"beat"), float)
+        out.append({"identity": m.decode("utf-8", "replace"), "info": info,
+                    "busy": _number(h.get(b"busy"), int), "quiet": h.get(b"quiet") == b"true",
+                    "rss_kb": _number(h.get(b"rss"), int),
+                    "beat_age": now - beat if beat and math.isfinite(beat) else None})
     return out
+
+
+def _number(raw: bytes | None, kind: type) -> Any:
+    """A heartbeat field as a number; 0 when missing or not a number (one bad heartbeat in
+    Redis must not break `ctl check`, `forkq processes` or the dashboard)."""
+    try:
+        return kind(raw or 0)
+    except (TypeError, ValueError, OverflowError):
+        return 0
 
 
 def remote_signal(conn: redis.Redis, signame: str, *, identity: str | None = None,

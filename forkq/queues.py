@@ -13,6 +13,10 @@ def parse_queue(spec: str) -> tuple[str, int]:
     name = name.strip()
     if not name or "\n" in name:
         raise ConfigError(f"--queue {spec!r}: a queue needs a name, e.g. --queue critical,3")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # bytes from a non-UTF-8 locale: no Redis key can be made of it
+        raise ConfigError(f"--queue {spec!r}: the name is not valid UTF-8") from None
     if not weight:
         return name, 0
     try:
@@ -45,7 +49,6 @@ class QueueOrder:
             self.mode = "random"
         else:
             self.mode = "weighted"
-        self._pool = [name for name, w in specs for _ in range(max(w, 1))]
 
     def __call__(self) -> list[str]:
         if self.mode == "strict" or len(self.names) == 1:
@@ -54,6 +57,7 @@ class QueueOrder:
             order = self.names[:]
             random.shuffle(order)
             return order
-        pool = self._pool[:]
-        random.shuffle(pool)
-        return list(dict.fromkeys(pool))
+        # weighted order without replacement (Efraimidis-Spirakis): the same distribution
+        # as shuffling a pool with each name `weight` times, without building that pool
+        keys = {name: random.random() ** (1.0 / self.weights[name]) for name in self.names}
+        return sorted(self.names, key=keys.__getitem__, reverse=True)

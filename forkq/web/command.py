@@ -32,7 +32,7 @@ def add_web_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--login-limit", type=whole_number("--login-limit", 0), default=10, metavar="N",
                    help="wrong passwords or tokens one address may send in a minute before it "
                         "is refused for the rest of it (default 10; 0: no limit)")
-    p.add_argument("--threads", type=whole_number("--threads"), default=4, help="request threads (default 4)")
+    p.add_argument("--threads", type=whole_number("--threads", 1, 1000), default=4, help="request threads (default 4)")
     p.set_defaults(handler=run)
 
 
@@ -68,8 +68,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         server = waitress.create_server(app, host=args.bind, port=args.port, threads=args.threads,
                                         url_prefix=prefix, ident="forkq")
-    except OSError as exc:
-        sys.stderr.write(f"forkq: cannot listen on {host}:{args.port}: {exc.strerror or exc}\n")
+    except (OSError, ValueError) as exc:  # ValueError: waitress cannot resolve --bind
+        sys.stderr.write(f"forkq: cannot listen on {host}:{args.port}: "
+                         f"{getattr(exc, 'strerror', None) or exc}\n")
         return 1
     # only now, when the socket is ours, say where to look
     print(f"forkq web: http://{host}:{args.port}{prefix}/ (Redis {client.mask_url(app.redis_url)}"

@@ -1,0 +1,145 @@
+"""What a careless operator or a stray writer to Redis can throw at the commands: each gets
+one readable line and a non-zero exit (or a quiet success), never a traceback or a hang.
+Real `python -m forkq` subprocesses against a real Redis."""
+
+from __future__ import annotations
+
+import collections
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from forkq.queues import QueueOrder
+from helpers import wait_until
+from test_admin_cli import REPO_ROOT, run
+
+
+def one_line(out: subprocess.CompletedProcess, code: int, *expected: str) -> str:
+    assert out.returncode == code, (out.args, out.returncode, out.stdout, out.stderr)
+    err = out.stderr.strip()
+    assert "Traceback" not in out.stderr and "\n" not in err, out.stderr
+    for text in expected:
+        assert text in err, (text, err)
+    return err
+
+
+@pytest.mark.timeout(30)
+def test_a_malformed_heartbeat_breaks_neither_processes_nor_remote_ctl(r, redis_url):
+    """One bad entry in `processes`, from anything on any host, must not fail every
+    host's liveness probe or the listing."""
+    r.sadd("processes", "bad-beat", "bad-info", "not-a-hash")
+    r.hset("bad-beat", mapping={"beat": "notafloat", "busy": "2.5", "rss": "x", "info": '{"hostname": "h"}'})
+    r.hset("bad-info", mapping={"beat": "1e400", "info": "[1, 2]"})
+    r.set("not-a-hash", "x")
+    out = run("processes")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert "bad-beat" in out.stdout and "bad-info" in out.stdout
+    out = run("ctl", "quiet", "--all")
+    assert out.returncode == 0, out.stderr
+    assert {line.split()[-1] for line in out.stdout.splitlines()} == {"bad-beat", "bad-info"}
+
+
+@pytest.mark.timeout(60)
+def test_a_redis_that_answers_with_errors_is_one_line_not_a_worker_that_idles(r, redis_url):
+    """A database index Redis does not have: no retry can help, so start refuses (exit 2)
+    instead of running a worker that never fetches anything."""
+    bad = redis_url.rsplit("/", 1)[0] + "/99"
+    one_line(run("start", "--no-fork", "--require", "os", url=bad, timeout=30), 2,
+             "DB index is out of range")
+    one_line(run("queues", url=bad), 1, "DB index is out of range")
+    r.sadd("queues", "wrongtype")
+    r.set("queue:wrongtype", "x")
+    one_line(run("queues"), 1, "WRONGTYPE")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("flag", ["--host", "--identity"])
+def test_an_empty_remote_target_is_refused_not_taken_for_the_local_master(r, redis_url, tmp_path, flag):
+    one_line(run("ctl", "stop", flag, "", "--pidfile", str(tmp_path / "none.pid")), 1,
+             f"{flag} needs a value")
+
+
+@pytest.mark.timeout(30)
+def test_out_of_range_numbers_are_refused(redis_url, tmp_path):
+    one_line(run("start", "--concurrency", "1000000", "--require", "os"), 2, "at most 1000")
+    one_line(run("start", "--processes", "99999", "--require", "os"), 2, "at most 1024")
+    config = tmp_path / "forkq.toml"
+    config.write_text("processes = inf\n")
+    one_line(run("start", "--config", str(config), "--require", "os"), 2, "processes")
+    config.write_text("timeout = 1e400\n")
+    one_line(run("start", "--config", str(config), "--require", "os"), 2, "timeout")
+    one_line(run("stats", "--days", "99999999999"), 2, "--days")
+    one_line(run("start", "--require", ".", "--no-fork"), 2, "--require")
+    one_line(run("start", "--queue", "\udcff", "--no-fork", "--require", "os"), 2, "UTF-8")
+
+
+@pytest.mark.timeout(30)
+def test_a_closed_pipe_ends_quietly(r, redis_url):
+    r.zadd("dead", {json.dumps({"class": "A", "args": [i], "jid": f"j{i}", "queue": "q"}): i
+                    for i in range(20_000)})
+    env_cmd = f"{sys.executable} -m forkq dead list --limit 20000 | head -1"
+    out = subprocess.run(["bash", "-o", "pipefail", "-c", env_cmd], capture_output=True, text=True,
+                         timeout=30, cwd=REPO_ROOT)
+    assert "Traceback" not in out.stderr and out.stderr == "", out.stderr
+    assert out.stdout.count("\n") == 1
+
+
+@pytest.mark.timeout(30)
+def test_ctrl_c_while_ctl_stop_waits_is_one_line(tmp_path):
+    """A master that takes its time to stop (here a stand-in that notes the TERM and
+    stays), and an operator who gives up waiting."""
+    termed = tmp_path / "termed"
+    stand_in = subprocess.Popen([sys.executable, "-c", (
+        "import setproctitle, signal, time, sys\n"
+        "setproctitle.setproctitle('forkq master [stand-in]')\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: open({str(termed)!r}, 'w').close())\n"
+        "print('up', flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert stand_in.stdout.readline() == "up\n"
+        pidfile = tmp_path / "forkq.pid"
+        pidfile.write_text(f"{stand_in.pid}\n")
+        ctl = subprocess.Popen([sys.executable, "-m", "forkq", "ctl", "stop", "--pidfile", str(pidfile)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_until(termed.exists, timeout=20, message="ctl stop sent TERM")
+        ctl.send_signal(signal.SIGINT)
+        _, err = ctl.communicate(timeout=20)
+        assert ctl.returncode == 130 and err == "forkq: interrupted\n", (ctl.returncode, err)
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+
+
+@pytest.mark.timeout(30)
+def test_control_characters_from_payloads_do_not_reach_the_terminal(r, redis_url):
+    job = {"class": "A", "args": [], "jid": "esc", "queue": "q",
+           "error_class": "RuntimeError", "error_message": "boom \x1b[31mRED\x1b[0m\nsecond line"}
+    r.zadd("dead", {json.dumps(job): 1})
+    out = run("dead", "list")
+    assert out.returncode == 0, out.stderr
+    assert "\x1b" not in out.stdout and len(out.stdout.splitlines()) == 2
+
+
+@pytest.mark.timeout(30)
+def test_retry_all_skips_an_entry_it_cannot_write_back_and_retries_the_rest(r, redis_url):
+    r.zadd("dead", {'{"class":"A","args":[NaN],"jid":"nan1","queue":"q"}': 1,
+                    '{"class":"A","args":[1],"jid":"good","queue":"q"}': 2})
+    out = run("dead", "retry", "--all")
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(x)["jid"] for x in r.lrange("queue:q", 0, -1)] == ["good"]
+    one_line(run("dead", "retry", "--jid", "nan1"), 1, "no runnable job")
+
+
+def test_weighted_queue_order_is_quick_with_huge_weights_and_keeps_the_odds():
+    order = QueueOrder([("a", 10_000_000), ("b", 1)])
+    started = time.perf_counter()
+    firsts = collections.Counter(order()[0] for _ in range(1000))
+    assert time.perf_counter() - started < 1.0
+    assert firsts["a"] >= 995
+    order = QueueOrder([("a", 3), ("b", 1)])
+    firsts = collections.Counter(order()[0] for _ in range(20_000))
+    assert 0.72 < firsts["a"] / 20_000 < 0.78  # 3 of 4, as Sidekiq's weighted order
