@@ -292,6 +292,9 @@ def test_sigkilled_child_is_replaced_in_its_slot_and_its_job_reruns_there(start_
     assert (died["child_pid"], died["how"]) == (victim_pid, "signal SIGKILL")
     requeued = m.log_events("requeued a child's in-flight jobs")
     assert [(e["identity"].split(":")[-2], e["requeued"]) for e in requeued] == [(str(victim_pid), 1)]
+    # gone from Sidekiq's process list with its jobs, not a minute later
+    gone = requeued[0]["identity"]
+    assert not r.sismember("processes", gone) and not r.exists(gone, f"{gone}:work")
     live = set(m.wait_slots().values())
     assert live == {new_pid, before[1 - slot]}
     assert_clean(r, m, live)

@@ -1,5 +1,5 @@
 -- Return everything a process held (landing lists and in-flight hash) to the head of the
--- queues it came from, then forget the process. Used by a worker at its own stop, by the
+-- queues it came from, then forget the process (its registration and its heartbeat). Used by a worker at its own stop, by the
 -- supervisor after a child died, and by orphan recovery.
 --
 -- A job that was in flight in a process that crashed is a suspect: its crash count
@@ -96,4 +96,8 @@ end
 local nsuspects = #suspected + held
 redis.call('DEL', KEYS[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
+-- the process is gone: off Sidekiq's process list now, not when its heartbeat expires
+-- (a live process judged dead adds itself back at its next beat)
+redis.call('SREM', 'processes', ARGV[1])
+redis.call('UNLINK', ARGV[1], ARGV[1] .. ':work', ARGV[1] .. ':workers')
 return {requeued + nsuspects, poisoned, nsuspects}
