@@ -54,8 +54,19 @@ def _alive_here(pid: int) -> bool:
         if proc.status() == psutil.STATUS_ZOMBIE:
             return False
         return "forkq" in " ".join(proc.cmdline())
+    except psutil.AccessDenied:
+        return True  # another user's process: can't tell, so not dead
     except psutil.Error:
+        pass
+    try:
+        # /proc mounted with hidepid hides other users' processes from psutil, but a
+        # signal 0 still tells a process that exists (EPERM) from one that does not
+        os.kill(pid, 0)
+    except PermissionError:
+        return True
+    except OSError:
         return False
+    return False
 
 
 def dead_owners(client: redis.Redis, recovery_delay: float, *, this_host_now: bool = False,
@@ -84,8 +95,11 @@ def dead_owners(client: redis.Redis, recovery_delay: float, *, this_host_now: bo
         # the pid rule only where a pid names the same process for us as for the owner:
         # elsewhere a live master's pid may be free, or another process's, in our namespace
         if this_host_now and here is not None and info.get("host") == host and info.get("pidns") == here:
-            pid = _master_pid(info)
-            if pid is not None and pid != os.getpid() and not _alive_here(pid):
+            # the master and the owner itself: children outlive a SIGKILLed master while
+            # they finish their jobs, and those jobs must not start again beside them
+            pid, own = _master_pid(info), info.get("pid")
+            if (pid is not None and pid != os.getpid() and not _alive_here(pid)
+                    and not (isinstance(own, int) and own != os.getpid() and _alive_here(own))):
                 dead.append((identity.decode(), queues))
                 continue
         if beat is not None:

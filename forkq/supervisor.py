@@ -270,7 +270,9 @@ class Supervisor:
         code = os.waitstatus_to_exitcode(status)
         how = f"exit {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
         expected = self.state == "stopping" or child.reason in ("memory", "restart")
-        crashed = code != 0
+        # a child only leaves on its own when told to: an exit 0 nobody asked for is a job
+        # calling os._exit(0), and must count against the jobs it held like any crash
+        crashed = code != 0 or not expected
         if crashed and not expected:
             log.error("child died", slot=child.slot, child_pid=child.pid, how=how,
                       error=child.fatal or None)

@@ -231,3 +231,22 @@ def test_a_dead_master_pid_means_dead_only_in_our_own_pid_namespace(r):
     assert orphans.pid_namespace() is not None
     dead = {i for i, _ in orphans.dead_owners(r, 60, this_host_now=True)}
     assert dead == {"same-ns"}
+
+
+def test_children_that_outlive_their_killed_master_are_not_taken_for_dead(r):
+    """A SIGKILLed master's children finish their jobs before they stop: a forkq started
+    at once on the host must not start those jobs again beside them."""
+    gone = 2**22 + 12346
+    here = socket.gethostname()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "forkq child stand-in"])
+    try:
+        entry = {"queues": ["default"], "host": here, "master": f"{here}:{gone}:x",
+                 "started_at": time.time(), "pidns": orphans.pid_namespace()}
+        r.hset(keys.OWNERS, mapping={"draining": json.dumps(dict(entry, pid=child.pid)),
+                                     "gone-too": json.dumps(dict(entry, pid=gone + 1))})
+        r.hset("draining", "beat", time.time())
+        r.hset("gone-too", "beat", time.time())
+        assert [i for i, _ in orphans.dead_owners(r, 60, this_host_now=True)] == ["gone-too"]
+    finally:
+        child.kill()
+        child.wait()

@@ -332,11 +332,13 @@ def test_children_stop_by_themselves_and_requeue_when_the_master_is_killed(start
 
 
 @pytest.mark.timeout(60)
-def test_a_job_that_kills_its_process_goes_dead_as_poison_while_others_flow(start_master, redis_url, r):
+@pytest.mark.parametrize("kind", ["sup.suicide", "sup.quit"])
+def test_a_job_that_kills_its_process_goes_dead_as_poison_while_others_flow(start_master, redis_url, r, kind):
+    """SIGKILL, or os._exit(0): a child that leaves without being told to has crashed."""
     m = start_master(processes=2, concurrency=1, args=["--poison-after", "2"])
     m.wait_slots()
     client = forkq.Client(redis_url)
-    poison = push(redis_url, "sup.suicide", "poison")
+    poison = push(redis_url, kind, "poison")
     client.push_bulk("sup.quick", [[f"q{i}"] for i in range(30)])
 
     def dead_poison():
@@ -344,7 +346,7 @@ def test_a_job_that_kills_its_process_goes_dead_as_poison_while_others_flow(star
         return [json.loads(raw) for raw in r.zrange("dead", 0, -1) if json.loads(raw)["jid"] == poison]
     (entry,) = wait_until(dead_poison, timeout=20, interval=0.05, message=f"poison in dead\n{m.tail()}")
     assert entry["error_class"] == "forkq.PoisonJob"
-    assert entry["class"] == "sup.suicide"
+    assert entry["class"] == kind
     assert "forkq_original" not in entry  # the payload is kept as it was, not re-encoded
 
     runs = sup_events(r, "start", "poison")
