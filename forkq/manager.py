@@ -209,6 +209,7 @@ class Manager:
         # processors claim only once the fetcher's first claim succeeded (after registering)
         # and stop while the fetcher backs off after a failed claim
         self._fetcher_leads = True
+        self._stopping = False  # quiet ends the claims; stop ends the fetch thread
         self._fetcher = threading.Thread(target=self._fetch_loop, name="forkq-fetcher", daemon=True)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -233,6 +234,8 @@ class Manager:
     def stop(self, deadline: float) -> bool:
         """Quiet, then wait until `deadline` (monotonic) for running jobs; True if all ended."""
         self.quiet()
+        self._stopping = True
+        self._wake.set()
         self._fetcher.join(max(0.0, deadline - time.monotonic()))
         self.waiters.stop(max(0.0, deadline - time.monotonic()))
         for p in self.processors:
@@ -442,6 +445,29 @@ class Manager:
             # a job that ended during the claim: claim again at once, carrying its ack
             self._sleep(lambda: self._idle != want)
         self._give_back_unstarted()
+        self._ack_while_quiet()
+
+    def _ack_while_quiet(self) -> None:
+        """Quiet lasts until the stop (a preStop hook, then TERM), and no claim carries
+        acks meanwhile: send them as jobs finish, or a process SIGKILLed after its grace
+        period would run again every job that ended after it went quiet."""
+        while not self._stopping:
+            self._wake.clear()
+            self._sleep(lambda: self._stopping or self.fetch.pending_acks() > 0, watch_idle=True)
+            if not self.fetch.pending_acks():
+                continue
+            try:
+                self.fetch.flush_acks()
+            except Exception as exc:
+                # kept for the next try; the final requeue flushes what is left
+                if isinstance(exc, REDIS_ERRORS):
+                    self.health.failed(exc)
+                else:
+                    log.exception("could not send acks while quiet")
+                self._wake.clear()
+                self._wake.wait(1.0)  # done() does not set it now: a pause, unless stop()
+            else:
+                self.health.ok()
 
     def _back_off(self, exc: Exception, delay: float, what: str) -> float:
         """After a failed claim (called inside the except block): report it, wait `delay`

@@ -166,10 +166,13 @@ class Worker:
         self.launcher.info["quiet"] = True
         self.manager.quiet()
         self.scheduler.stop()
-        if not self.manager.stop(deadline):
+        finished = self.manager.stop(deadline)
+        if not finished:
             log.warning("jobs still running at the timeout; putting them back on their queues",
                         busy=self.manager.busy())
-        requeued = self._requeue_all()
+        # With jobs still running, their requeue comes last, just before _exit: a job that
+        # ends after its requeue has run and will run again, so that window stays short.
+        requeued = self._requeue_all() if finished else 0
         self.launcher.stop()
         try:
             self.manager.write(self.launcher.final_flush, patient=True)
@@ -177,6 +180,8 @@ class Worker:
             log.error("could not write final stats: Redis unreachable")
         if self.metrics is not None and self.report_fd is not None:
             self.metrics.send(self.report_fd)  # the last jobs' counts, before the master reaps us
+        if not finished:
+            requeued = self._requeue_all()
         log.info("worker stopped", requeued=requeued)
         if self.manager.hard_stopped:
             # threads still inside job code must not outlive the stop or write outcomes

@@ -25,6 +25,7 @@ import psutil
 import pytest
 
 import forkq
+from forkq import keys
 from helpers import free_port, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -603,3 +604,25 @@ def test_check_require_redis_fails_where_redis_cannot_be_reached(start_master, r
     out = ok(ctl("check", "--pidfile", str(m.pidfile), cwd=tmp_path, env=wrong))
     assert "Redis unreachable" in out.stdout
     one_line_failure(ctl("check", "--require-redis", "--pidfile", str(m.pidfile), cwd=tmp_path, env=wrong))
+
+
+@pytest.mark.timeout(60)
+def test_jobs_that_finish_while_quiet_are_acknowledged_before_the_stop(start_master, r, redis_url, tmp_path):
+    """Quiet can last until the pod's grace period ends in SIGKILL: a job that finished
+    meanwhile must already be off the in-flight hash, or it would run again."""
+    m = start_master(processes=1, concurrency=2)
+    (beat,) = m.wait_ready(r).values()
+    identity = next(i for i, hb in beats(r).items() if hb["info"]["pid"] == beat["info"]["pid"])
+    push(redis_url, "sup.sleep", "short", 1)
+    push(redis_url, "sup.sleep", "long", 60)
+    wait_started(r, m, "short")
+    wait_started(r, m, "long")
+    ok(ctl("quiet", "--pidfile", str(m.pidfile), cwd=tmp_path))
+    wait_until(lambda: sup_events(r, "done", "short"), timeout=15, message="the short job done")
+    # only the long job is left in flight, with the process still quiet and running
+    wait_until(lambda: r.hlen(keys.inflight(identity)) == 1, timeout=5,
+               message="the finished job's ack sent while quiet")
+    m.check()
+    os.killpg(m.pid, signal.SIGKILL)
+    m.proc.wait(10)
+    assert r.hlen(keys.inflight(identity)) == 1
