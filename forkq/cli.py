@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -252,18 +253,19 @@ def ctl(args: argparse.Namespace) -> int:
         for identity in sent:
             print(f"{signame} -> {identity}")
         return 0
+    pidfile = args.pidfile or control.default_pidfile()  # read once: check looks at it twice
     if args.action == "quiet":
-        pid = control.signal_master(args.pidfile, signal.SIGTSTP)
+        pid = control.signal_master(pidfile, signal.SIGTSTP)
         print(f"quiet: told master {pid}")
         return 0
     if args.action == "stop":
-        pid = control.signal_master(args.pidfile, signal.SIGTERM)
+        pid = control.signal_master(pidfile, signal.SIGTERM)
         if control.wait_gone(pid, args.timeout):
             print(f"stopped: master {pid} exited")
             return 0
         sys.stderr.write(f"forkq: master {pid} is still running after {args.timeout:g}s\n")
         return 1
-    pid = control.find_master(args.pidfile)
+    pid = control.find_master(pidfile)
     try:
         rows = control.children_of(pid, control.redis_for_ctl())
     except redis_errors() as exc:
@@ -279,7 +281,7 @@ def ctl(args: argparse.Namespace) -> int:
         print(f"ok: master {pid}, {len(children)} children (Redis unreachable, heartbeats not checked: {exc})")
         return 0
     if args.action == "check":
-        stalled = control.pidfile_age(args.pidfile)
+        stalled = control.pidfile_age(pidfile)
         if stalled is not None and stalled > args.stuck_after:
             # the children beat on their own: only this shows a master whose loop is stuck
             # (it would neither replace a dead child nor answer a stop)
@@ -428,10 +430,12 @@ def _table(header: list[str], rows: list[list[object]]) -> list[str]:
     return [line(r) for r in cells]
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
 def _printable(text: str) -> str:
     """A cell as one line, with no terminal escapes: payloads and error messages are input."""
-    import re
-    return re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: repr(m.group())[1:-1], text)
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def _age(seconds: float | None) -> str:

@@ -85,10 +85,10 @@ def touch(path: str) -> None:
         os.utime(path)
 
 
-def pidfile_age(path: str | None) -> float | None:
+def pidfile_age(path: str) -> float | None:
     """Seconds since the master last touched its pidfile (None: it cannot be read)."""
     try:
-        return time.time() - os.stat(path or default_pidfile()).st_mtime
+        return time.time() - os.stat(path).st_mtime
     except OSError:
         return None
 
@@ -163,7 +163,7 @@ def heartbeats(conn: redis.Redis) -> list[dict[str, Any]]:
     now = time.time()
     # raise_on_error=False: a member whose key is not a hash (WRONGTYPE) is skipped, not fatal
     for m, h in zip(members, pipe.execute(raise_on_error=False)):
-        if not h or not isinstance(h, dict):
+        if not isinstance(h, dict) or not h:
             continue
         try:
             info = json.loads(h.get(b"info", b"{}"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,18 +35,33 @@ def _collect(sock: socket.socket, until, deadline_s: float) -> list[str]:
     return got
 
 
-@pytest.mark.timeout(60)
-def test_master_notifies_ready_status_watchdog_and_stopping(redis_url, tmp_path):
+@contextlib.contextmanager
+def notified_master(redis_url: str, tmp_path: Path, app: Path, *args: str, watchdog_usec: str,
+                    **env: str) -> Iterator[tuple[subprocess.Popen, socket.socket]]:
+    """A real master started as systemd would (NOTIFY_SOCKET, WATCHDOG_USEC), and the
+    datagram socket it notifies; the master is SIGKILLed at the end if still running."""
     path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(path)
-    env = dict(os.environ, NOTIFY_SOCKET=path, WATCHDOG_USEC="1000000", FORKQ_REDIS_URL=redis_url,
-               PYTHONPATH=str(REPO))
+    environ = dict(os.environ, NOTIFY_SOCKET=path, WATCHDOG_USEC=watchdog_usec,
+                   FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO), **env)
     master = subprocess.Popen(
-        [sys.executable, "-m", "forkq", "start", "--processes", "2", "--concurrency", "2",
-         "--require", str(APP), "--pidfile", str(tmp_path / "forkq.pid"), "--log-format", "json"],
-        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [sys.executable, "-m", "forkq", "start", "--require", str(app),
+         "--pidfile", str(tmp_path / "forkq.pid"), *args],
+        env=environ, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
+        yield master, sock
+    finally:
+        if master.poll() is None:
+            os.killpg(master.pid, signal.SIGKILL)
+            master.wait()
+        sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_master_notifies_ready_status_watchdog_and_stopping(redis_url, tmp_path):
+    with notified_master(redis_url, tmp_path, APP, "--processes", "2", "--concurrency", "2",
+                         "--log-format", "json", watchdog_usec="1000000") as (master, sock):
         msgs = _collect(sock, lambda m: any(x.startswith("READY=1") for x in m)
                         and sum(x == "WATCHDOG=1" for x in m) >= 3, 30)
         ready = next(x for x in msgs if x.startswith("READY=1"))
@@ -54,26 +71,13 @@ def test_master_notifies_ready_status_watchdog_and_stopping(redis_url, tmp_path)
         msgs = _collect(sock, lambda m: any("0/2 children" in x for x in m), 30)
         assert any(x.startswith("STOPPING=1") for x in msgs), msgs
         assert master.wait(30) == 0
-    finally:
-        if master.poll() is None:
-            os.killpg(master.pid, signal.SIGKILL)
-            master.wait()
-        sock.close()
 
 
 @pytest.mark.timeout(60)
 def test_children_do_not_inherit_notify_socket(redis_url, tmp_path):
     """Only the master may talk to systemd: job code must not see NOTIFY_SOCKET."""
-    path = str(tmp_path / "notify.sock")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(path)
-    env = dict(os.environ, NOTIFY_SOCKET=path, WATCHDOG_USEC="5000000", FORKQ_REDIS_URL=redis_url,
-               PYTHONPATH=str(REPO))
-    master = subprocess.Popen(
-        [sys.executable, "-m", "forkq", "start", "--processes", "1", "--concurrency", "1",
-         "--require", str(ENV_APP), "--pidfile", str(tmp_path / "forkq.pid")],
-        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
+    with notified_master(redis_url, tmp_path, ENV_APP, "--processes", "1", "--concurrency", "1",
+                         watchdog_usec="5000000") as (master, sock):
         _collect(sock, lambda m: any(x.startswith("READY=1") for x in m), 30)
         # /proc/PID/environ is overwritten by the process title, so ask a job what it sees
         import forkq
@@ -82,37 +86,18 @@ def test_children_do_not_inherit_notify_socket(redis_url, tmp_path):
         raw = wait_until(lambda: r.lpop("seen"), timeout=20, message="the job did not run")
         seen = json.loads(raw)
         assert seen == {"NOTIFY_SOCKET": None, "WATCHDOG_USEC": None, "FORKQ_INDEX": "0"}, seen
-    finally:
         master.send_signal(signal.SIGTERM)
-        try:
-            master.wait(30)
-        finally:
-            if master.poll() is None:
-                os.killpg(master.pid, signal.SIGKILL)
-        sock.close()
+        master.wait(30)
 
 
 @pytest.mark.timeout(60)
 def test_the_watchdog_keeps_pinging_once_a_slot_recovers_from_a_failed_start(redis_url, tmp_path):
     """One failed start per slot, then healthy children: systemd must go on hearing
     WATCHDOG=1, or it kills a service that has recovered."""
-    path = str(tmp_path / "notify.sock")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(path)
-    env = dict(os.environ, NOTIFY_SOCKET=path, WATCHDOG_USEC="1000000", FORKQ_REDIS_URL=redis_url,
-               PYTHONPATH=str(REPO), FLAKY_DIR=str(tmp_path))
-    master = subprocess.Popen(
-        [sys.executable, "-m", "forkq", "start", "--processes", "2", "--concurrency", "1",
-         "--require", str(REPO / "tests" / "apps" / "flaky_on_fork.py"),
-         "--pidfile", str(tmp_path / "forkq.pid")],
-        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
+    with notified_master(redis_url, tmp_path, REPO / "tests" / "apps" / "flaky_on_fork.py",
+                         "--processes", "2", "--concurrency", "1", watchdog_usec="1000000",
+                         FLAKY_DIR=str(tmp_path)) as (master, sock):
         msgs = _collect(sock, lambda m: any(x.startswith("READY=1") for x in m), 30)
         assert (tmp_path / "slot0").exists() and (tmp_path / "slot1").exists()
         after = _collect(sock, lambda m: sum(x == "WATCHDOG=1" for x in m) >= 3, 10)
         assert sum(x == "WATCHDOG=1" for x in after) >= 3, msgs + after
-    finally:
-        if master.poll() is None:
-            os.killpg(master.pid, signal.SIGKILL)
-            master.wait()
-        sock.close()

@@ -1,6 +1,7 @@
 -- Return everything a process held (landing lists and in-flight hash) to the head of the
--- queues it came from, then forget the process (its registration and its heartbeat). Used by a worker at its own stop, by the
--- supervisor after a child died, and by orphan recovery.
+-- queues it came from, then forget the process (its registration and its heartbeat).
+-- Used by a worker at its own stop, by the supervisor after a child died, and by orphan
+-- recovery.
 --
 -- A job that was in flight in a process that crashed is a suspect: its crash count
 -- (ARGV[5] .. jid) goes up; at ARGV[3] it goes to dead as forkq.PoisonJob, otherwise it
