@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +21,49 @@ if TYPE_CHECKING:
     from .manager import Manager
 
 log = logs.get("forkq.processor")
+
+# True in a copy of a worker made by os.fork() inside job code; see guard_forks
+_in_copy = False
+_guarded = False
+
+
+def guard_forks() -> None:
+    """Make any copy of this worker forked by job code end with that job.
+
+    Such a copy has only the forking thread. Were it to carry on, it would write the job's
+    outcome a second time (a SystemExit in the copy would retry a job that succeeded) and
+    then wait forever for work as a stray worker. Call once in each worker process: the
+    flag costs the hot path one global read per job, where comparing pids would cost a
+    syscall.
+    """
+    global _in_copy, _guarded
+    _in_copy = False  # a worker forked by a process that had the hook starts clean
+    if not _guarded:
+        os.register_at_fork(after_in_child=_mark_copy)
+        _guarded = True
+
+
+def _mark_copy() -> None:
+    global _in_copy
+    _in_copy = True
+
+
+def _leave_copy(exc: BaseException | None) -> None:
+    """End a forked copy as the job's code ended in it, writing nothing to Redis."""
+    code = 0
+    if isinstance(exc, SystemExit):
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    elif exc is not None:
+        traceback.print_exception(exc)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 class Processor:
@@ -71,6 +117,8 @@ class Processor:
                                  "(is its module in --require, or is a deploy rolling out?)")
             self._run(jobdef.fn, job, unit.queue)
         except BaseException as exc:
+            if _in_copy:
+                _leave_copy(exc)
             self.current = None
             if self.manager.hard_stopped:
                 # cut off by a hard stop: the job goes back to its queue, not to retry
@@ -98,6 +146,8 @@ class Processor:
             log.warning("fail", elapsed_ms=round(elapsed, 2), fate=fate,
                         error=f"{type(exc).__name__}: {message(exc)}")
             return False  # the outcome write already released the in-flight entry
+        if _in_copy:
+            _leave_copy(None)
         self.current = None
         if self._log_jobs:
             log.info("done", elapsed_ms=round((time.perf_counter() - started) * 1000, 2))

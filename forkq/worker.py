@@ -26,7 +26,7 @@ from .fetch import requeue_owner
 from .launcher import Launcher, new_identity
 from .manager import REDIS_ERRORS, Manager
 from .metrics import DeltaReporter
-from .processor import MeteredProcessor, Processor
+from .processor import MeteredProcessor, Processor, guard_forks
 from .queues import QueueOrder
 from .scheduler import Scheduler
 from .settings import STOP_GRACE_S, Settings
@@ -68,6 +68,7 @@ class Worker:
 
     def run(self) -> int:
         s = self.settings
+        guard_forks()
         conn = self.connect()
         # metrics are counted only in a child: its master sums and serves them
         metered = s.metrics_port is not None and self.report_fd is not None

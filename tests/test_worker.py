@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from datetime import datetime, timezone
 
+import psutil
 import pytest
 import redis
 from redis.backoff import NoBackoff
@@ -128,6 +129,39 @@ def test_equal_weights_interleave_queues(workers, forkq_client, r):
     done = wait_records(r, 80, worker, kind="record")
     first = Counter(rec["args"][0] for rec in done[:40])
     assert first["a"] >= 1 and first["b"] >= 1, first  # strict order would give 40 a
+
+
+@pytest.mark.timeout(30)
+def test_a_copy_forked_by_job_code_ends_with_the_job_and_writes_nothing(workers, forkq_client, r):
+    worker = workers(concurrency=3)
+    hows = ["return", "exit", "raise"]
+    for how in hows:
+        core_jobs.forks.enqueue(how, how)
+
+    originals = wait_records(r, 3, worker, kind="forks")
+    copies = [rec["copy"] for rec in originals]
+    wait_records(r, 3, worker, kind="copy")
+
+    def copies_gone():
+        for pid in copies:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    return False
+            except psutil.NoSuchProcess:
+                pass
+        return True
+
+    # each copy ends where the job's code handed back to the worker, not later as a stray
+    wait_until(copies_gone, timeout=5, message="forked copies to exit")
+    worker.signal(signal.SIGTERM)
+    assert worker.wait_exit(timeout=10) == 0
+    # the copies wrote no outcome: no retry for the one that raised or called sys.exit,
+    # and each job ran once
+    assert sorted(rec["args"][0] for rec in originals) == sorted(hows)
+    assert not r.exists("retry") and not r.exists("dead") and not r.exists("queue:default")
+    assert int(r.get("stat:failed") or 0) == 0
+    assert int(r.get("stat:processed")) == 3
+    assert _forkq_keys(r) == []
 
 
 # -- stopping -----------------------------------------------------------------------------

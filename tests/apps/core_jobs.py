@@ -173,3 +173,21 @@ def fail_after(seconds, tag):
     time.sleep(seconds)
     note("fail", tag)
     raise ValueError(f"late {tag}")
+
+
+@forkq.job
+def forks(tag, how):
+    """Job code that forks, as some libraries do, and lets the copy end its own way.
+
+    The copy records its pid and then returns, raises, or calls sys.exit, back into the
+    worker's code; the original just records that it ran.
+    """
+    pid = os.fork()
+    if pid == 0:
+        note("copy", tag, how)
+        if how == "return":
+            return
+        if how == "exit":
+            raise SystemExit(0)
+        raise ValueError(f"copy {tag}")
+    note("forks", tag, copy=pid)
