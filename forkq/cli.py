@@ -336,6 +336,20 @@ def warn_about_redis(settings: Settings) -> None:
             "delete keys, and with them jobs", policy=value.decode() if isinstance(value, bytes) else value)
 
 
+def warn_about_timing(settings: Settings) -> None:
+    """Leases that can expire under a live process: its jobs would run twice."""
+    s, warn = settings, logs.get("forkq").warning
+    if s.recovery_delay < 3 * s.heartbeat_interval:
+        warn("--recovery-delay is under 3 heartbeats: a live process whose heartbeats run late "
+             "(a slow Redis, a long GC pause) looks dead, and another forkq runs its jobs again",
+             recovery_delay=s.recovery_delay, heartbeat_interval=s.heartbeat_interval)
+    if not s.no_fork and s.recovery_delay <= s.hang_timeout:
+        warn("--recovery-delay is not above --hang-timeout: a child stuck in a job (one holding "
+             "the GIL) stops its heartbeat, and another forkq may take its jobs before this "
+             "master kills it; the job could then finish twice",
+             recovery_delay=s.recovery_delay, hang_timeout=s.hang_timeout)
+
+
 class StoppedWhileStarting(BaseException):
     """SIGTERM or SIGINT came before the master (or --no-fork worker) traps its own; a
     BaseException, as KeyboardInterrupt, so that an app's `except Exception` lets it pass."""
@@ -366,6 +380,7 @@ def _start(settings: Settings) -> int:
         from . import client
         client.connect(settings.redis_url)  # validates the URL before anything forks
         warn_about_redis(settings)
+        warn_about_timing(settings)
     except (ConfigError, ValueError) as exc:
         sys.stderr.write(f"forkq: {exc}\n")
         return 2

@@ -278,8 +278,9 @@ class Supervisor:
                       error=child.fatal or None)
         else:
             log.info("child exited", slot=child.slot, child_pid=child.pid, how=how, reason=child.reason or None)
-        reason = child.reason or ("crash" if crashed else "exit")
         if self.state != "stopping":
+            # not stopping and no reason of ours: every such exit is a crash (see above)
+            reason = child.reason or "crash"
             self.stats.restarts[reason] = self.stats.restarts.get(reason, 0) + 1
         # its private jobs go back before anything else happens to the slot
         self.pending_requeue.append((child.identity, crashed))

@@ -117,3 +117,35 @@ def test_a_stop_while_the_app_imports_exits_0_in_one_line(redis_url, tmp_path, s
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
     assert "stop requested while starting" in out
     assert sig in out
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("flags, expected", [
+    ([], []),
+    (["--heartbeat-interval", "5", "--recovery-delay", "12", "--hang-timeout", "10"], ["under 3 heartbeats"]),
+    (["--hang-timeout", "30", "--recovery-delay", "30"], ["not above --hang-timeout"]),
+])
+def test_lease_timings_that_let_a_live_process_lose_its_jobs_are_warned_at_start(redis_url, tmp_path,
+                                                                                 flags, expected):
+    out_path = tmp_path / "out"
+    env = dict(os.environ, FORKQ_REDIS_URL=redis_url)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "forkq", "start", "--require", str(CORE_JOBS),
+                                 "--processes", "1", "--log-format", "text",
+                                 "--pidfile", str(tmp_path / "pid"), *flags],
+                                env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    try:
+        # the timing warnings come before the master forks; "worker started" comes after
+        wait_until(lambda: proc.poll() is None and "worker started" in out_path.read_text(),
+                   timeout=20, message="the child to start")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        proc.kill()
+    text = out_path.read_text()
+    warned = [line for line in text.splitlines() if "--recovery-delay" in line]
+    assert len(warned) == len(expected), text
+    for line, phrase in zip(warned, expected):
+        assert phrase in line
