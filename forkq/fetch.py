@@ -24,6 +24,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from . import keys, logs, scripts, wire
 from .queues import QueueOrder
@@ -411,6 +413,11 @@ class Waiters:
 
     def _run(self, queue: str) -> None:
         conn = self._connect()
+        # No resend: redis-py sends a command again on a broken connection, and a BLMOVE
+        # whose reply was lost has already moved a job. Sent again it blocks on the queue
+        # and returns nothing, and the landing list it filled goes unnoticed. An error
+        # instead reaches wait_for, which has the fetcher drain that list.
+        conn.set_retry(Retry(NoBackoff(), 0))
         while True:
             self._armed.wait()
             if self._stopping:
