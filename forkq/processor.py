@@ -100,12 +100,15 @@ class Processor:
         name = job["class"]
         jobdef = lookup(name)
         self.current = (unit.queue, unit.raw, time.time())
-        self.processed += 1
         logs.set_job(job.get("jid"), payload.display_name(job), unit.queue)
         try:
-            return self._perform(unit, job, name, jobdef)
+            acked = self._perform(unit, job, name, jobdef)
         finally:
             logs.clear_job()
+        # counted once it ended, failed or not, as Sidekiq counts: a job cut off by a hard
+        # stop raised past here and counts when it runs again
+        self.processed += 1
+        return acked
 
     def _perform(self, unit: Unit, job: dict[str, Any], name: str, jobdef: Any) -> bool:
         started = time.perf_counter()

@@ -739,6 +739,23 @@ def test_stats_count_every_execution(workers, forkq_client, r):
 
 
 @pytest.mark.timeout(30)
+def test_a_job_counts_as_processed_when_it_ends_not_when_it_starts(workers, forkq_client, r):
+    """Sidekiq counts a job in `stat:processed` once it has run (ensure, after the job)."""
+    worker = workers(concurrency=1, extra_args=["--heartbeat-interval", "0.2"])
+    core_jobs.sleepy.enqueue(2, "long")
+    wait_records(r, 1, worker, kind="start")
+    first = float(r.hget(worker.identity, "beat"))
+    # two heartbeats later, anything counted so far has been flushed
+    wait_until(lambda: float(r.hget(worker.identity, "beat")) > first + 0.3, timeout=5,
+               message="two heartbeats after the job started")
+    assert records(r, "end") == []  # still running
+    assert int(r.get("stat:processed") or 0) == 0
+    wait_records(r, 1, worker, kind="end", timeout=10)
+    wait_until(lambda: int(r.get("stat:processed") or 0) == 1, timeout=5,
+               message="the job counted once it ended")
+
+
+@pytest.mark.timeout(30)
 def test_sigttin_logs_every_thread_stack(workers):
     worker = workers(concurrency=2)
     expected = {"MainThread", "forkq-processor-0", "forkq-processor-1", "forkq-fetcher",
