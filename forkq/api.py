@@ -329,7 +329,7 @@ class SortedSet:
 
     def kill(self, entries: list[Entry]) -> int:
         """Move entries to `dead` with the worker's script (Sidekiq's trimming: 180 days,
-        10,000 entries). Entries already dead stay where they are."""
+        9,999 entries). Entries already dead stay where they are."""
         if self.name == keys.DEAD or not entries:
             return 0
         to_dead = scripts.load(self.redis, "to_dead")

@@ -23,6 +23,9 @@ CRASH_PREFIX = "forkq:crashes:"
 # "QUEUE\nPAYLOAD", as in an in-flight hash; RPOP takes the next one.
 SUSPECTS = "forkq:suspects"
 
+# Sidekiq's dead_max_jobs and dead_timeout_in_seconds. DeadSet#kill trims with
+# ZREMRANGEBYRANK dead 0 -dead_max_jobs, which removes down to dead_max_jobs - 1 entries:
+# forkq makes the same call, so the set is the same size whichever side wrote last.
 DEAD_MAX_JOBS = 10_000
 DEAD_TIMEOUT_S = 180 * 24 * 3600
 HEARTBEAT_TTL_S = 60

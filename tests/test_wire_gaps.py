@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import pytest
 
@@ -101,7 +102,82 @@ def test_the_lua_dead_trim_uses_the_same_limits_as_python():
     from forkq import scripts
     text = scripts.source("requeue_all")
     assert f"tonumber(now) - {keys.DEAD_TIMEOUT_S})" in text
-    assert f"'dead', 0, -{keys.DEAD_MAX_JOBS + 1})" in text
+    assert f"'dead', 0, -{keys.DEAD_MAX_JOBS})" in text
+
+
+# -- how many entries the dead set keeps ---------------------------------------------------
+# Sidekiq's DeadSet#kill runs ZREMRANGEBYRANK dead 0 -dead_max_jobs after its ZADD: with
+# 10,000 old entries plus the new one that removes ranks 0 and 1, leaving 9,999.
+
+def _fill_dead(r, n):
+    """n dead entries from the last day (the 180-day trim keeps them); the two oldest."""
+    base = time.time() - 86400
+    members = [json.dumps({"class": "Old", "args": [i], "jid": f"{i:024x}"}) for i in range(n)]
+    r.zadd("dead", {m: base + i for i, m in enumerate(members)})
+    return [m.encode() for m in members[:2]]
+
+
+def _kill_with_outcomes(r, now=None):
+    key = keys.inflight(IDENTITY)
+    job = {"class": "New", "args": [], "jid": "1" * 24, "queue": "default", "retry": False}
+    r.hset(key, "1\ndefault", json.dumps(job))
+    Outcomes(r, key).to_dead(job, "1\ndefault", now=now)
+
+
+def _kill_as_poison(r):
+    job = {"class": "New", "args": [], "jid": "1" * 24, "queue": "default", "retry": True}
+    r.hset(keys.inflight(IDENTITY), "7\ndefault", json.dumps(job))
+    assert requeue_owner_counts(r, IDENTITY, ["default"], crashed=True, poison_after=1).poisoned == 1
+
+
+def _kill_malformed(r):
+    r.hset(keys.inflight(IDENTITY), "9", "no queue prefix here")
+    requeue_owner_counts(r, IDENTITY, ["default"])
+
+
+def _kill_from_retry_with_the_api(r):
+    r.zadd("retry", {json.dumps({"class": "New", "args": [], "jid": "1" * 24, "queue": "default",
+                                 "retry": True, "retry_count": 0}): time.time() + 60})
+    retries = api.retries(r)
+    assert retries.kill(list(retries)) == 1
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kill", [_kill_with_outcomes, _kill_as_poison, _kill_malformed,
+                                  _kill_from_retry_with_the_api])
+def test_every_way_into_dead_keeps_as_many_entries_as_sidekiq(r, kill):
+    oldest = _fill_dead(r, keys.DEAD_MAX_JOBS)
+    kill(r)
+    assert r.zcard("dead") == keys.DEAD_MAX_JOBS - 1
+    assert all(r.zscore("dead", raw) is None for raw in oldest)
+    (newest,) = r.zrange("dead", -1, -1)
+    assert json.loads(newest)["class"] in ("New", "forkq.MalformedJob")
+
+
+@pytest.mark.timeout(60)
+def test_sidekiqs_own_kill_keeps_the_same_number_of_dead_entries(sidekiq_ruby, redis_url, r):
+    _fill_dead(r, keys.DEAD_MAX_JOBS)
+    script = ('require "sidekiq"; require "sidekiq/api"; '
+              'Sidekiq::DeadSet.new.kill(ARGV[0], notify_failure: false)')
+    job = json.dumps({"class": "New", "args": [], "jid": "2" * 24, "queue": "default"})
+    out = subprocess.run([sidekiq_ruby.ruby, "-e", script, job], env=sidekiq_ruby._env(redis_url),
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert r.zcard("dead") == keys.DEAD_MAX_JOBS - 1
+
+    # forkq's kill on top of Sidekiq's leaves the size where Sidekiq left it
+    _kill_with_outcomes(r)
+    assert r.zcard("dead") == keys.DEAD_MAX_JOBS - 1
+
+
+@pytest.mark.timeout(10)
+def test_the_dead_age_trim_takes_an_entry_exactly_at_the_cutoff_as_sidekiq_does(r):
+    # Sidekiq sends now - dead_timeout as a bare ZREMRANGEBYSCORE bound: inclusive
+    now = 1_800_000_000.0
+    r.zadd("dead", {"at-the-cutoff": now - keys.DEAD_TIMEOUT_S, "just-after": now - keys.DEAD_TIMEOUT_S + 1})
+    _kill_with_outcomes(r, now)
+    assert r.zscore("dead", "at-the-cutoff") is None
+    assert r.zscore("dead", "just-after") is not None
 
 
 @pytest.mark.timeout(10)

@@ -18,12 +18,13 @@ local function claimed(field)
   return tonumber(string.match(field, "^%d+")) or 0
 end
 
--- A member for the dead set, trimmed afterwards as Sidekiq trims it on every insert
--- (keys.DEAD_TIMEOUT_S and keys.DEAD_MAX_JOBS; a test holds these numbers to them).
+-- A member for the dead set, trimmed afterwards with the calls Sidekiq makes on every
+-- insert (keys.DEAD_TIMEOUT_S and keys.DEAD_MAX_JOBS; a test holds these numbers to them):
+-- rank -10000 leaves 9,999 entries, as Sidekiq's DeadSet#kill does.
 local function add_dead(member, now)
   redis.call('ZADD', 'dead', now, member)
-  redis.call('ZREMRANGEBYSCORE', 'dead', '-inf', '(' .. (tonumber(now) - 15552000))
-  redis.call('ZREMRANGEBYRANK', 'dead', 0, -10001)
+  redis.call('ZREMRANGEBYSCORE', 'dead', '-inf', tonumber(now) - 15552000)
+  redis.call('ZREMRANGEBYRANK', 'dead', 0, -10000)
 end
 
 -- What forkq cannot run or put back anywhere goes to dead with the reason, its bytes kept:
