@@ -138,7 +138,16 @@ class Job:
         return self._default().enqueue_many(args_list, batch_size)
 
     def retry_in(self, hook: RetryIn) -> RetryIn:
-        """Decorator form: `@my_job.retry_in` sets the retry-delay hook."""
+        """Decorator form: `@my_job.retry_in` sets the retry-delay hook.
+
+        The hook is called as hook(count, exc), count being the retry number (0 for the
+        first). It returns seconds, "discard" (drop the job), "kill" (straight to dead) or
+        None (Sidekiq's default count**4 + 15 + jitter). As in Sidekiq, a delay above 0 gets
+        Sidekiq's jitter added: rand(10) * (count + 1) whole seconds, so returning 60
+        retries the first failure in 60-69 s. 0 retries at once, with no jitter (Sidekiq
+        would use its default delay instead). A negative number, anything else, or a hook
+        that raises means the default.
+        """
         self.retry_in_hook = hook
         return hook
 
@@ -154,6 +163,8 @@ def job(fn: Callable[..., Any] | None = None, *, queue: str = "default", retry: 
     """Register a function as a job: bare `@job` or `@job(queue=..., retry=..., name=...)`.
 
     retry: True means Sidekiq's 25 attempts, False none, an int that many.
+    retry_in: hook(count, exc) choosing the delay before a retry (see Job.retry_in); a
+    delay above 0 gets Sidekiq's jitter of rand(10) * (count + 1) seconds added.
     """
     if type(retry) is int and retry < 0:
         raise ValueError(f"retry must be True, False or a count >= 0, not {retry}")

@@ -24,9 +24,17 @@ MESSAGE_LIMIT = 10_000
 MAX_DELAY_S = 100 * 365 * 86400
 
 
+def jitter(count: int) -> int:
+    """Sidekiq's spread for retry number `count` (0-based): rand(10) * (count + 1) seconds,
+    added to the default delay and to a `retry_in` hook's alike (JobRetry in 6.4 and 7.x;
+    8.0 draws rand(10 * (count + 1)) instead), so jobs that failed together come back
+    spread out rather than all at once."""
+    return random.randrange(10) * (count + 1)
+
+
 def backoff(count: int) -> float:
     """Sidekiq's delay before retry number `count` (0-based): count**4 + 15 + jitter."""
-    return count ** 4 + 15 + random.randrange(10) * (count + 1)
+    return count ** 4 + 15 + jitter(count)
 
 
 def retry_option(job: dict[str, Any], jobdef: "Job | None" = None) -> Any:
@@ -212,6 +220,13 @@ class Outcomes:
                 answer = None
             if answer in ("discard", "kill"):
                 return answer
-            if isinstance(answer, (int, float)) and not isinstance(answer, bool) and answer >= 0:
-                return float(answer)
+            if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+                if answer > 0:
+                    # Sidekiq adds its jitter to a hook's delay too. Capped first: a
+                    # payload's huge retry_count makes an int no float can hold.
+                    return answer + min(jitter(count), MAX_DELAY_S)
+                if answer == 0:
+                    # forkq's own: 0 retries at once, unspread (Sidekiq takes only a delay
+                    # above 0 and falls back to its default backoff)
+                    return 0.0
         return backoff(count)

@@ -138,11 +138,43 @@ def test_retry_in_hook_decides(workers, forkq_client, r):
     assert set(dead) == {kill}
     assert discard not in retry and discard not in dead
     job, score = retry[seconds]
-    assert score == pytest.approx(job["failed_at"] + 1000, abs=0.01)
+    assert job["failed_at"] + 1000 <= score <= job["failed_at"] + 1009  # plus Sidekiq's jitter
     job, score = retry[fallback]
     assert job["failed_at"] + 15 <= score <= job["failed_at"] + 25
     assert dead[kill]["retry_count"] == 0 and dead[kill]["error_class"].endswith("HookedError")
     assert time.time() - started < 10
+
+
+def _jitters(entries, since):
+    """Each retry's delay past `since` seconds, which Sidekiq's jitter makes whole seconds."""
+    out = []
+    for job, score in entries:
+        extra = score - job["retried_at" if "retried_at" in job else "failed_at"] - since
+        assert abs(extra - round(extra)) < 1e-3, extra
+        out.append(round(extra))
+    return out
+
+
+@pytest.mark.timeout(30)
+def test_a_retry_in_delay_gets_sidekiqs_jitter_and_zero_retries_at_once(workers, forkq_client, r):
+    worker = workers(concurrency=4)
+    n = 30
+    # retry number 0: rand(10) * 1 seconds on top of the hook's 1000
+    first = {core_jobs.fail_hooked.enqueue("seconds") for _ in range(n)}
+    # retry number 3 (the payload says two retries happened): rand(10) * 4
+    fourth = {core_jobs.fail_hooked.options(retry_count=2).enqueue("seconds") for _ in range(n)}
+    default = {core_jobs.fail_hooked.enqueue("none") for _ in range(n)}
+    zero = core_jobs.fail_hooked.enqueue("zero")
+    entries = {job["jid"]: (job, score) for job, score in wait_zset(r, "retry", 3 * n + 1, worker)}
+
+    spread = _jitters([entries[j] for j in first], 1000)
+    assert set(spread) <= set(range(10)) and len(set(spread)) > 1, spread
+    spread = _jitters([entries[j] for j in fourth], 1000)
+    assert set(spread) <= {4 * k for k in range(10)} and len(set(spread)) > 1, spread
+    # Sidekiq's own delay for retry number 0 is 15 s plus the same jitter
+    spread = _jitters([entries[j] for j in default], 15)
+    assert set(spread) <= set(range(10)) and len(set(spread)) > 1, spread
+    assert _jitters([entries[zero]], 0) == [0]
 
 
 @pytest.mark.timeout(30)

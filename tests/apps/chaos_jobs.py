@@ -4,8 +4,9 @@
 `HSET chaos:execs <uuid4> n`: one field per execution, so a write retried after a lost reply
 (Redis restarting under it) still counts that execution once, and the count of fields per n
 is exactly how many times job n ran to its end. A job with fail_once raises on its first
-attempt (`HSETNX chaos:failed n`), and `retry_in` brings it back after 0.5 s, so the chaos run
-exercises the retry set too.
+attempt (`HSETNX chaos:failed n`), and `retry_in` brings it back through the retry set at once
+(0 s: any delay above 0 gets Sidekiq's jitter of up to 9 s), so the chaos run exercises the
+retry set too without waiting on it.
 
 Every Redis call goes to the worker's own Redis (FORKQ_REDIS_URL), through a client made per
 process (nothing made before the fork is used after it).
@@ -50,7 +51,7 @@ def _write(fn, *args):
 
 
 def _retry_soon(count, exc):
-    return 0.5
+    return 0
 
 
 @forkq.job(name="chaos.record", queue="chaos", retry=5, retry_in=_retry_soon)

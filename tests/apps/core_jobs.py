@@ -124,7 +124,7 @@ class HookedError(Exception):
 
 def _retry_in(count, exc):
     note("retry_in", count, exc.mode)
-    return {"seconds": 1000, "discard": "discard", "kill": "kill", "none": None}[exc.mode]
+    return {"seconds": 1000, "zero": 0, "discard": "discard", "kill": "kill", "none": None}[exc.mode]
 
 
 @forkq.job(retry=5, retry_in=_retry_in)
