@@ -165,7 +165,7 @@ OPTIONS = [
     Option("--hang-timeout", "hang_timeout", positive_float,
            "seconds without a ping before a child is killed as hung (default 30)"),
     Option("--poison-after", "poison_after", positive_int,
-           "child deaths a job may cause before it goes to the dead set (default 3)"),
+           "deaths (of a child or a whole forkq) a job may cause before it goes to the dead set (default 3)"),
     Option("--recovery-delay", "recovery_delay", positive_float,
            "seconds without a heartbeat before another forkq recovers a dead process's jobs (default 60)"),
     Option("--pidfile", "pidfile", text, "write the master's pid here (default $FORKQ_PIDFILE or /tmp/forkq.pid)"),

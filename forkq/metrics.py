@@ -277,7 +277,7 @@ class Collector:
         yield CounterMetricFamily("forkq_jobs_requeued", "Jobs this master put back into Redis "
                                   "from dead children and orphaned processes", value=sup.stats.requeued)
         yield CounterMetricFamily("forkq_jobs_poisoned", "Jobs sent to the dead set as poison "
-                                  "(in flight in too many child deaths)", value=sup.stats.poisoned)
+                                  "(in flight in too many deaths of a child or a whole forkq)", value=sup.stats.poisoned)
         yield CounterMetricFamily("forkq_metrics_rejected", "Metrics lines from children that did "
                                   "not parse", value=self.agg.rejected)
         yield from self._queues()

@@ -7,6 +7,16 @@ that registry now and then: an owner whose heartbeat is older than the recovery 
 gone, once the owner is older than the delay) is dead, and its jobs go back to their queues
 (crash suspects to `forkq:suspects`). A lock with an expiry lets one forkq sweep at a time
 cluster-wide. The registry is one small hash: no KEYS, no SCAN of the database.
+
+A recovered orphan counts as a crash for every job it had in flight, as a dead child does
+(same --poison-after, same forkq.PoisonJob entry in dead): a job that takes down a whole
+node (the pod OOM-killed because of it) would otherwise go from node to node forever.
+Sidekiq Pro's super_fetch likewise counts every recovery against the job. Some orphans did
+not crash: a process that stopped gracefully while Redis was down could not put its jobs
+back or say that it stopped, and nothing in Redis tells it from one SIGKILLed. Counting
+those too is accepted: each recovery only makes a job a suspect, run alone once and
+cleared when it ends, so only --poison-after (3) such recoveries, each within a day of
+the last and with no run to its end between them, send an innocent job to dead.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import psutil
 import redis
 
 from . import keys, logs
-from .fetch import pid_namespace, requeue_owner_counts
+from .fetch import Requeued, pid_namespace, requeue_owner_counts
 
 log = logs.get("forkq.orphans")
 LOCK = "forkq:orphan-lock"
@@ -116,9 +126,12 @@ def dead_owners(client: redis.Redis, recovery_delay: float, *, this_host_now: bo
 
 
 def sweep(client: redis.Redis, recovery_delay: float, holder: str, *, this_host_now: bool = False,
-          skip: set[str] | frozenset[str] = frozenset(),
-          stall_limit: float = float("inf")) -> list[tuple[str, int]] | None:
-    """Recover every dead owner's jobs, if no other forkq is sweeping; [(identity, jobs back)].
+          skip: set[str] | frozenset[str] = frozenset(), stall_limit: float = float("inf"),
+          poison_after: int = 3) -> list[tuple[str, Requeued]] | None:
+    """Recover every dead owner's jobs, if no other forkq is sweeping; [(identity, counts)].
+
+    Each job an owner had in flight counts as in a crash (see the module's docstring): at
+    `poison_after` crashes it goes to dead, otherwise it runs again alone as a suspect.
 
     None, recovering nothing, when taking the lock and reading the heartbeats took longer
     than `stall_limit` seconds: Redis stalled (paused, swapping, a slow command) with our
@@ -134,10 +147,10 @@ def sweep(client: redis.Redis, recovery_delay: float, holder: str, *, this_host_
         if time.monotonic() - started > stall_limit:
             return None
         for identity, queues in dead:
-            counts = requeue_owner_counts(client, identity, queues)
-            recovered.append((identity, counts.requeued))
+            counts = requeue_owner_counts(client, identity, queues, crashed=True, poison_after=poison_after)
+            recovered.append((identity, counts))
             log.warning("recovered a dead process's jobs", owner=identity, requeued=counts.requeued,
-                        suspects=counts.suspects)
+                        suspects=counts.suspects, poisoned=counts.poisoned)
     finally:
         client.eval(_RELEASE, 1, LOCK, holder)
     return recovered

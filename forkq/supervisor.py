@@ -367,7 +367,8 @@ class Supervisor:
             found = orphans.sweep(self.redis, s.recovery_delay if settled else float("inf"),
                                   self.identity, this_host_now=True,
                                   skip={c.identity for c in self.children.values()},
-                                  stall_limit=min(1.0, s.recovery_delay / 4))
+                                  stall_limit=min(1.0, s.recovery_delay / 4),
+                                  poison_after=s.poison_after)
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
             self._redis_ok_since = None
             return
@@ -379,8 +380,10 @@ class Supervisor:
                         "heartbeats have had time to resume")
             self._redis_ok_since = time.monotonic()
             return
-        for _identity, requeued in found:
-            self.stats.requeued += requeued
+        for _identity, counts in found:
+            self.stats.requeued += counts.requeued
+            self.stats.poisoned += counts.poisoned
+            self.stats.suspects += counts.suspects
 
     @property
     def redis(self) -> redis.Redis:

@@ -100,17 +100,56 @@ def _private_keys(r: redis.Redis) -> list[bytes]:
 def test_a_restarted_forkq_recovers_its_dead_predecessors_jobs_at_boot(instances, r, redis_url):
     a = instances("a", "--processes", "2", "--concurrency", "2")
     wait_until(lambda: r.hlen(keys.OWNERS) == 2, timeout=20, message="a's children registered")
-    forkq.Client(redis_url).push_bulk("orphan.work", [[f"j{i}", 30] for i in range(4)])
+    jids = forkq.Client(redis_url).push_bulk("orphan.work", [[f"j{i}", 30] for i in range(4)])
     wait_until(lambda: _held(r) == 4, timeout=10, message="a holds all four jobs")
     a.kill_all()
     # the default recovery delay is a minute: only the boot rule can be this quick
     b = instances("b", "--processes", "1", "--concurrency", "4")
     wait_until(lambda: len(b.events("recovered a dead process's jobs")) == 2, timeout=15,
                message="b recovered both of a's children at boot")
-    wait_until(lambda: _held(r) == 4 and r.llen("queue:default") == 0, timeout=10,
-               message="b claimed the four recovered jobs")
+    # back as from a crash: suspects, which b runs one at a time, each alone
+    wait_until(lambda: _held(r) == 1 and r.llen(keys.SUSPECTS) == 3 and r.llen("queue:default") == 0,
+               timeout=10, message="b runs one recovered job alone, three wait as suspects")
+    assert [r.get(keys.CRASH_PREFIX + jid) for jid in jids] == [b"1"] * 4
     owners = [json.loads(v) for v in r.hvals(keys.OWNERS)]
     assert len(owners) == 1 and owners[0]["pid"] != a.proc.pid
+
+
+def _held_by(r: redis.Redis, inst: Instance) -> list[str]:
+    """Jids in flight in the children of this instance's master."""
+    jids = []
+    for identity, info in r.hgetall(keys.OWNERS).items():
+        if orphans._master_pid(json.loads(info)) == inst.proc.pid:
+            jids += [json.loads(v)["jid"] for v in r.hvals(keys.inflight(identity.decode()))]
+    return jids
+
+
+@pytest.mark.timeout(120)
+def test_a_job_that_kills_whole_forkqs_goes_dead_after_poison_after_of_them(instances, r, redis_url):
+    # a node's death (here every process SIGKILLed at once, as a pod's OOM kill does) while
+    # the job runs counts against it as a child's death does: at --poison-after, it is poison
+    poison = ("--poison-after", "2", "--processes", "1", "--concurrency", "2")
+    jid = forkq.Client(redis_url).push("orphan.work", ["node-killer", 60])
+    for n in (1, 2):
+        node = instances(f"node{n}", *poison)
+        wait_until(lambda: _held_by(r, node) == [jid], timeout=20,
+                   message=f"node{n} runs the job\n{node.log.read_text()[-3000:]}")
+        node.kill_all()
+        # the node before this one was recovered, at this one's boot, as a crash
+        assert r.get(keys.CRASH_PREFIX + jid) == (b"1" if n == 2 else None)
+
+    last = instances("node3", *poison)
+    wait_until(lambda: last.events("recovered a dead process's jobs"), timeout=20,
+               message=f"node3 recovered node2's jobs\n{last.log.read_text()[-3000:]}")
+    (raw,) = r.zrange("dead", 0, -1)
+    entry = json.loads(raw)
+    assert entry["jid"] == jid and entry["args"] == ["node-killer", 60]
+    assert entry["error_class"] == "forkq.PoisonJob"
+    assert entry["error_message"] == "killed its worker process 2 times"
+    assert not r.exists(keys.CRASH_PREFIX + jid)
+    assert r.llen(keys.SUSPECTS) == 0 and r.llen("queue:default") == 0 and r.llen("orphan:ran") == 0
+    (event,) = last.events("recovered a dead process's jobs")
+    assert event["poisoned"] == 1
 
 
 @pytest.mark.timeout(90)
@@ -206,9 +245,12 @@ def test_dead_owner_rules(r):
     r.rpush(keys.inflight("stale-beat"), "x")  # wrong type would be a bug; use the real format
     r.delete(keys.inflight("stale-beat"))
     r.hset(keys.inflight("stale-beat"), "1", 'default\n{"class":"c","args":[],"jid":"j"}')
-    recovered = dict(orphans.sweep(r, 60, "me"))
+    recovered = {identity: counts.requeued for identity, counts in orphans.sweep(r, 60, "me")}
     assert recovered == {"stale-beat": 1, "old-no-beat": 0}
-    assert r.lrange("queue:default", 0, -1) == [b'{"class":"c","args":[],"jid":"j"}']
+    # back as from a crash: a suspect to run alone, its crash count raised
+    assert r.lrange(keys.SUSPECTS, 0, -1) == [b'default\n{"class":"c","args":[],"jid":"j"}']
+    assert r.get(keys.CRASH_PREFIX + "j") == b"1"
+    assert not r.exists("queue:default")
     assert set(r.hkeys(keys.OWNERS)) == {b"fresh-beat", b"young-no-beat"}
     assert not r.exists(orphans.LOCK)
 
