@@ -197,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"forkq: {exc}\n")
             return 2
         if args.print_config:
-            print(config.describe(settings, sources))
+            try:
+                print(config.describe(settings, sources), flush=True)
+            except BrokenPipeError:  # `forkq start --print-config | head`
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
         return start(settings)
     import redis

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -86,6 +87,24 @@ def test_a_closed_pipe_ends_quietly(r, redis_url):
                          timeout=30, cwd=REPO_ROOT)
     assert "Traceback" not in out.stderr and out.stderr == "", out.stderr
     assert out.stdout.count("\n") == 1
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_print_config_into_a_closed_pipe_ends_quietly(tmp_path, unbuffered):
+    """`forkq start --print-config | head -1`: the reader may be gone before the write."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FORKQ_", "PYTHONUNBUFFERED"))}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = unbuffered
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run([sys.executable, "-m", "forkq", "start", "--print-config"], stdout=write_end,
+                             stderr=subprocess.PIPE, text=True, timeout=20, cwd=tmp_path, env=env)
+    finally:
+        os.close(write_end)
+    assert out.returncode == 0 and out.stderr == "", (out.returncode, out.stderr)
 
 
 @pytest.mark.timeout(30)
