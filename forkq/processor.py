@@ -15,7 +15,7 @@ from .errors import MalformedPayload, UnknownJob
 from .fetch import Unit
 from .jobs import lookup
 from .metrics import JobTable
-from .retry import Outcomes, dead_entry_for_malformed, message
+from .retry import MALFORMED_QUEUE, Outcomes, dead_entry_for_malformed, message
 
 if TYPE_CHECKING:
     from .manager import Manager
@@ -168,7 +168,10 @@ class Processor:
         return call(0)
 
     def _malformed(self, unit: Unit, reason: str) -> bool:
-        entry = dead_entry_for_malformed(unit.raw, unit.queue, reason, time.time())
+        # parked on a queue nobody serves, like the scheduler's and the Lua scripts' malformed
+        # entries: Sidekiq's Retry pushes a dead entry onto its queue, and on a served one
+        # the unrunnable forkq.MalformedJob (retry: false) would be dropped, bytes and all
+        entry = dead_entry_for_malformed(unit.raw, MALFORMED_QUEUE, reason, time.time())
         try:
             self.manager.write(self.outcomes.to_dead, entry, unit.token)
         except Exception:
