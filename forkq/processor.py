@@ -171,6 +171,7 @@ class Processor:
         # parked on a queue nobody serves, like the scheduler's and the Lua scripts' malformed
         # entries: Sidekiq's Retry pushes a dead entry onto its queue, and on a served one
         # the unrunnable forkq.MalformedJob (retry: false) would be dropped, bytes and all
+        reason = f"{reason} (fetched from queue {unit.queue!r})"
         entry = dead_entry_for_malformed(unit.raw, MALFORMED_QUEUE, reason, time.time())
         try:
             self.manager.write(self.outcomes.to_dead, entry, unit.token)

@@ -267,6 +267,7 @@ def test_malformed_payloads_go_to_dead_and_the_worker_keeps_going(workers, forkq
         # not "default", where it came from: Sidekiq's Retry pushes an entry onto its queue,
         # and a worker there would drop the unrunnable forkq.MalformedJob with its bytes
         assert entry["queue"] == "forkq-malformed"
+        assert entry["error_message"].endswith("(fetched from queue 'default')")
         assert JID.match(entry["jid"])
         by_reason[entry["error_message"]] = entry
     for raw, reason in MALFORMED:
