@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import logs
+from . import keys, logs
 from .errors import ConfigError
 from .queues import parse_queue
 from .settings import Settings
@@ -55,6 +55,15 @@ def positive_float(text: Any) -> float:
     if not value > 0 or value == float("inf"):
         raise ValueError(f"must be a number above 0, not {text!r}")
     return value
+
+
+def seconds_at_most(high: float) -> Callable[[Any], float]:
+    def parse(text: Any) -> float:
+        value = positive_float(text)
+        if value > high:
+            raise ValueError(f"must be at most {high:g}, not {text!r}")
+        return value
+    return parse
 
 
 def port(value: Any) -> int:
@@ -154,8 +163,10 @@ OPTIONS = [
     Option("--no-fork", "no_fork", switch, "run one worker in this process, without a master", is_switch=True),
     Option("--poll-interval", "poll_interval", positive_float,
            "average seconds between scheduled/retry polls per process (default 5)"),
-    Option("--heartbeat-interval", "heartbeat_interval", positive_float,
-           "seconds between heartbeats; remote signals are read at each (default 5)"),
+    # at most a third of the heartbeat's 60 s expiry (Sidekiq's), or a live process would
+    # vanish from `processes` between beats and lose a remote signal left for it
+    Option("--heartbeat-interval", "heartbeat_interval", seconds_at_most(keys.HEARTBEAT_TTL_S / 3),
+           "seconds between heartbeats, at most 20; remote signals are read at each (default 5)"),
     Option("--tag", "tag", text, "tag shown in the heartbeat"),
     Option("--log-level", "log_level", one_of(*logs.LEVELS), "debug, info, warning, error or critical"),
     Option("--log-format", "log_format", one_of("json", "text"),

@@ -54,8 +54,10 @@ class Unit(NamedTuple):
 
 class ReliableFetch:
     def __init__(self, client: redis.Redis, identity: str, order: QueueOrder,
-                 block_timeout: float = 2.0, master: str | None = None, direct: bool = True) -> None:
+                 block_timeout: float = 2.0, master: str | None = None, direct: bool = True,
+                 heartbeat_interval: float = 5.0) -> None:
         self.redis = client
+        self.heartbeat_interval = heartbeat_interval
         self.identity = identity
         self.order = order
         self.block_timeout = block_timeout
@@ -87,7 +89,8 @@ class ReliableFetch:
     def register(self) -> None:
         """Record this process as an owner of private structures, before any claim."""
         info = {"queues": self.order.names, "host": socket.gethostname(), "pid": os.getpid(),
-                "pidns": pid_namespace(), "master": self.master, "started_at": time.time()}
+                "pidns": pid_namespace(), "master": self.master, "started_at": time.time(),
+                "heartbeat_interval": self.heartbeat_interval}
         self.owner_json = json.dumps(info)
         self.redis.hset(keys.OWNERS, self.identity, self.owner_json)
 

@@ -184,10 +184,11 @@ _NOTHING: Any = object()
 class Manager:
     def __init__(self, connect: Callable[[], redis.Redis], identity: str, order: QueueOrder,
                  concurrency: int, block_timeout: float = 2.0, master: str | None = None,
-                 processor: type[Processor] = Processor) -> None:
+                 processor: type[Processor] = Processor, heartbeat_interval: float = 5.0) -> None:
         self.redis = connect()
         self.concurrency = concurrency
-        self.fetch = ReliableFetch(self.redis, identity, order, block_timeout, master)
+        self.fetch = ReliableFetch(self.redis, identity, order, block_timeout, master,
+                                   heartbeat_interval=heartbeat_interval)
         self.health = RedisHealth()
         self.outcomes = Outcomes(self.redis, self.fetch.inflight_key)
         # `processor`: MeteredProcessor when the master serves metrics

@@ -46,6 +46,17 @@ def _owner_info(raw: bytes) -> dict[str, Any]:
         return {}
 
 
+def _lease(info: dict[str, Any], recovery_delay: float) -> float:
+    """How long this owner may stay silent before it counts as dead: our --recovery-delay,
+    but never under 3 of its own heartbeat intervals. Another forkq on the same Redis may
+    beat less often than our delay; judged by our delay alone, it would lose the jobs it
+    is running, and they would run twice."""
+    interval = info.get("heartbeat_interval")
+    if isinstance(interval, (int, float)) and not isinstance(interval, bool) and 0 < interval < 1e6:
+        return max(recovery_delay, 3 * interval)
+    return recovery_delay
+
+
 def _master_pid(info: dict[str, Any]) -> int | None:
     """The pid of the master that owned this process (or its own pid without a master)."""
     master = info.get("master")
@@ -120,7 +131,7 @@ def dead_owners(client: redis.Redis, recovery_delay: float, *, this_host_now: bo
         else:
             started = info.get("started_at")
             last = float(started) if isinstance(started, (int, float)) else 0.0
-        if now - last > recovery_delay:
+        if now - last > _lease(info, recovery_delay):
             dead.append((identity.decode(), queues))
     return dead
 

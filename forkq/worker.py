@@ -74,7 +74,8 @@ class Worker:
         metered = s.metrics_port is not None and self.report_fd is not None
         self.manager = Manager(self.connect, self.identity, QueueOrder(s.queues), s.concurrency,
                                s.block_timeout, self.master,
-                               processor=MeteredProcessor if metered else Processor)
+                               processor=MeteredProcessor if metered else Processor,
+                               heartbeat_interval=s.heartbeat_interval)
         self.metrics = (DeltaReporter([p.table for p in self.manager.processors])  # type: ignore[attr-defined]
                         if metered else None)
         info = {"tag": s.tag, "concurrency": s.concurrency, "queues": self.manager.fetch.order.names,

@@ -45,6 +45,7 @@ START = ["start", "--no-fork", "--require", str(CORE_JOBS)]
     (["--timeout", "0"], ["--timeout"]),
     (["--timeout", "soon"], ["--timeout", "'soon'"]),
     (["--poll-interval", "-1"], ["--poll-interval"]),
+    (["--heartbeat-interval", "21"], ["--heartbeat-interval", "at most 20"]),
     (["--no-such-flag"], ["--no-such-flag"]),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_arguments_fail_in_one_line(redis_url, args, expected):

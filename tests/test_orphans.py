@@ -292,3 +292,22 @@ def test_children_that_outlive_their_killed_master_are_not_taken_for_dead(r):
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_forkq_that_beats_less_often_than_anothers_delay_keeps_its_running_jobs(instances, r, redis_url):
+    """Judged by b's one-second delay alone, a's two-second heartbeats look dead half the
+    time: b would take the job a is running, and it would run twice. Each owner is given
+    at least three of its own heartbeat intervals."""
+    a = instances("a", "--processes", "1", "--concurrency", "1", "--heartbeat-interval", "2")
+    wait_until(lambda: r.hlen(keys.OWNERS) == 1, timeout=20, message="a's child registered")
+    forkq.Client(redis_url).push_bulk("orphan.work", [["once", 5]])
+    wait_until(lambda: _held(r) == 1, timeout=10, message="a runs the job")
+    b = instances("b", "--processes", "1", "--concurrency", "1", "--recovery-delay", "1")
+    wait_until(lambda: r.hlen(keys.OWNERS) == 2, timeout=20, message="b's child registered")
+    wait_until(lambda: r.llen("orphan:ran") == 1, timeout=15, message="a finished the job")
+    # the moment a's run ended, nothing else holds or waits to run that job
+    assert _held(r) == 0 and r.llen("queue:default") == 0 and r.llen(keys.SUSPECTS) == 0
+    assert not b.events("recovered a dead process's jobs")
+    (ran,) = [x.decode() for x in r.lrange("orphan:ran", 0, -1)]
+    assert ran.startswith("once:")
