@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from . import config, logs
+from . import __version__, config, logs
 from .errors import ConfigError
 from .settings import Settings
 
@@ -37,6 +37,7 @@ def _positive_float(name: str):
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="forkq", description="A prefork background-job processor on Redis.")
+    parser.add_argument("-V", "--version", action="version", version=f"forkq {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     start = sub.add_parser("start", help="run workers in the foreground")
     for o in config.OPTIONS:

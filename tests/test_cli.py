@@ -150,3 +150,17 @@ def test_lease_timings_that_let_a_live_process_lose_its_jobs_are_warned_at_start
     assert len(warned) == len(expected), text
     for line, phrase in zip(warned, expected):
         assert phrase in line
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_prints_the_package_version_and_exits_0(flag):
+    import tomllib
+
+    import forkq
+    out = _forkq([flag], "redis://127.0.0.1:1/0")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"forkq {forkq.__version__}\n"
+    # the version an installed forkq reports is the one packaged
+    with open(REPO_ROOT / "pyproject.toml", "rb") as f:
+        assert tomllib.load(f)["project"]["version"] == forkq.__version__
