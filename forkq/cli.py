@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import re
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from . import __version__, config, logs
 from .errors import ConfigError
@@ -434,7 +436,31 @@ def admin(args: argparse.Namespace) -> int:
 
 def _emit(args: argparse.Namespace, data: object, table: list[str]) -> None:
     import json
-    print(json.dumps(data, indent=2, default=str) if args.json else "\n".join(table))
+    print(json.dumps(_strict(data), indent=2, default=str, allow_nan=False) if args.json
+          else "\n".join(table))
+
+
+def _strict(data: object) -> object:
+    """A copy with NaN and Infinity as null: Python's json reads them from any client's
+    payload (and a Redis score may be inf) and would write them back, but they are not
+    JSON, and jq or JSON.parse reading --json would refuse the whole output. A loop, not
+    recursion: a payload nested as deep as json.loads allows must not hit the stack limit."""
+    root: list[object] = [None]
+    todo: list[tuple[object, Any, Any]] = [(data, root, 0)]
+    while todo:
+        value, parent, key = todo.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            value = None
+        elif isinstance(value, dict):
+            copy: dict[Any, object] = dict.fromkeys(value)  # keeps the key order
+            todo += [(item, copy, k) for k, item in value.items()]
+            value = copy
+        elif isinstance(value, (list, tuple)):
+            items: list[object] = [None] * len(value)
+            todo += [(item, items, i) for i, item in enumerate(value)]
+            value = items
+        parent[key] = value
+    return root[0]
 
 
 def _table(header: list[str], rows: list[list[object]]) -> list[str]:

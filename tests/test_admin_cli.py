@@ -134,3 +134,39 @@ def test_busy_lists_running_jobs_longest_first(r, redis_url, workers):
     table = run("busy").stdout.splitlines()
     assert table[0].split() == ["process", "queue", "jid", "class", "running", "args"]
     assert first in table[1] and second in table[2]
+
+
+def strict_json(*args: str) -> object:
+    """--json output read as a strict parser (jq, JSON.parse) would: NaN or Infinity fail."""
+    out = run(*args, "--json")
+    assert out.returncode == 0, (args, out.stdout, out.stderr)
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{args}: {constant} in --json output")
+    return json.loads(out.stdout, parse_constant=refuse)
+
+
+@pytest.mark.timeout(30)
+def test_json_output_is_strict_json_when_payloads_hold_nan_or_infinity(r, redis_url):
+    # any Sidekiq client may write these (Python's json.dumps does by default), and a Redis
+    # score may be inf: each becomes null, the rest of the entry stays
+    odd = '{"class": "K", "args": [NaN, 1.5], "jid": "%s", "queue": "q", "retry_count": NaN, ' \
+          '"failed_at": Infinity, "enqueued_at": -Infinity, "error_class": "E"}'
+    r.zadd("dead", {odd % ("a" * 24): float("inf")})
+    r.zadd("retry", {odd % ("b" * 24): 1_700_000_000})
+    r.sadd("queues", "q")
+    r.lpush("queue:q", odd % ("c" * 24))
+    r.sadd("processes", "host:1:abc")
+    r.hset("host:1:abc:workers", "tid", json.dumps({"queue": "q", "payload": odd % ("d" * 24),
+                                                    "run_at": float("nan")}))
+    (dead,) = strict_json("dead", "list")
+    assert dead["score"] is None and dead["retry_count"] is None
+    assert dead["job"]["failed_at"] is None and dead["job"]["args"] == [None, 1.5]
+    assert dead["job"]["error_class"] == "E" and dead["jid"] == "a" * 24
+    (retry,) = strict_json("retry", "list")
+    assert retry["score"] == 1_700_000_000 and retry["job"]["enqueued_at"] is None
+    (queue,) = strict_json("queues")
+    assert queue["name"] == "q" and queue["latency"] is None  # the next job's -Infinity stamp
+    (busy,) = strict_json("busy")
+    assert busy["jid"] == "d" * 24 and busy["run_at"] is None and busy["args"] == [None, 1.5]
+    assert strict_json("stats")["dead"] == 1
