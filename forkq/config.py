@@ -199,6 +199,10 @@ def _keys() -> dict[str, Option]:
 BY_KEY = _keys()
 
 
+# how a pyproject.toml that does not parse shows it means to configure forkq
+_FORKQ_TABLE = re.compile(rb"""tool\s*\.\s*["']?forkq\b""")
+
+
 def read_file(path: str | None) -> tuple[dict[str, Any], str | None]:
     """Settings from --config PATH (a forkq.toml, or a pyproject.toml's [tool.forkq]), else
     from ./pyproject.toml's [tool.forkq] if present."""
@@ -206,16 +210,23 @@ def read_file(path: str | None) -> tuple[dict[str, Any], str | None]:
     path = path or ("pyproject.toml" if os.path.exists("pyproject.toml") else None)
     if path is None:
         return {}, None
+    where = f"--config {path}" if explicit else path
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            raw = f.read()
     except FileNotFoundError:
-        raise ConfigError(f"--config {path}: no such file") from None
+        raise ConfigError(f"{where}: no such file") from None
     except OSError as exc:  # a directory, no permission...
-        raise ConfigError(f"--config {path}: cannot read it: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: not UTF-8 at byte {exc.start}") from None
-    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where}: cannot read it: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        if not explicit and not _FORKQ_TABLE.search(raw):
+            # the project's file, not ours: a tool's syntax tomllib does not know yet
+            # must not stop `forkq ctl stop` or a start configured by flags alone
+            return {}, None
+        if isinstance(exc, UnicodeDecodeError):
+            raise ConfigError(f"{path}: not valid TOML: not UTF-8 at byte {exc.start}") from None
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     section = data.get("tool", {}).get("forkq") if isinstance(data.get("tool"), dict) else None
     if section is None:

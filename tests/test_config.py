@@ -288,6 +288,33 @@ def test_pyproject_without_forkq_section_is_fine(tmp_path, start_inproc):
     assert all(source == "default" for _, source in got.values()), got
 
 
+# a ./pyproject.toml that tomllib cannot read: TOML 1.1 syntax (newlines in an inline
+# table), a plain syntax error, or bytes that are not UTF-8
+UNPARSEABLE_PYPROJECT = {
+    "toml-1.1": b'[project]\nname = "x"\n[tool.other]\nmap = {\n  a = 1,\n}\n',
+    "syntax": b'[project]\nname = = "x"\n',
+    "not-utf8": b'[project]\nname = "caf\xe9"\n',
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", sorted(UNPARSEABLE_PYPROJECT))
+def test_an_unparseable_pyproject_without_forkq_settings_is_not_forkqs_business(tmp_path, start_inproc,
+                                                                                 case):
+    (tmp_path / "pyproject.toml").write_bytes(UNPARSEABLE_PYPROJECT[case])
+    got = parse_config(start_inproc("-c", "3"))
+    assert got["concurrency"] == (3, "flag")
+    assert all(source == "default" for name, (_, source) in got.items() if name != "concurrency"), got
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", sorted(UNPARSEABLE_PYPROJECT))
+def test_an_unparseable_pyproject_that_names_tool_forkq_fails_in_one_line(tmp_path, start_inproc, case):
+    # its [tool.forkq] could hold the Redis URL or the queues: running without them is wrong
+    (tmp_path / "pyproject.toml").write_bytes(UNPARSEABLE_PYPROJECT[case] + b"\n[tool.forkq]\nconcurrency = 3\n")
+    one_line_error(start_inproc(), "pyproject.toml", "not valid TOML")
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("where", ["pyproject", "config"])
 def test_unknown_key_fails_in_one_line_naming_it(tmp_path, start_inproc, where):

@@ -288,6 +288,24 @@ def test_pidfile_from_tool_forkq_is_where_ctl_looks_by_default(start_master, r, 
     assert not path.exists()
 
 
+@pytest.mark.timeout(40)
+def test_ctl_works_beside_a_pyproject_that_is_not_toml_and_has_no_forkq_settings(start_master, r, tmp_path):
+    m = start_master()
+    m.wait_ready(r)
+    project = tmp_path / "project"
+    project.mkdir()
+    # TOML 1.1 (a newline in an inline table), which Python 3.11's tomllib refuses
+    (project / "pyproject.toml").write_text('[project]\nname = "x"\n[tool.other]\nmap = {\n  a = 1,\n}\n')
+    out = ok(ctl("status", "--pidfile", str(m.pidfile), cwd=project))
+    assert f"master pid {m.pid}" in out.stdout
+    ok(ctl("stop", "--pidfile", str(m.pidfile), "--timeout", "20", cwd=project))
+    assert m.proc.poll() == 0
+    # one that means to configure forkq is still refused: its pidfile may be another one
+    (project / "pyproject.toml").write_text('[tool.forkq]\npidfile = "/run/x.pid"\nbroken = = 1\n')
+    one_line_failure(ctl("status", "--pidfile", str(m.pidfile), cwd=project), "pyproject.toml",
+                     "not valid TOML")
+
+
 # -- status and check ---------------------------------------------------------------------------
 
 ROW = re.compile(r"^\s*(?P<slot>\d+|-)\s+(?P<pid>\d+)\s+(?P<busy>\d+/\d+|-)\s+(?P<rss>[\d.]+)\s+"
