@@ -27,10 +27,18 @@ class ArgumentParser(argparse.ArgumentParser):
 def _flag_type(option: config.Option):
     def parse(text: str):
         try:
-            return option.parse(text)
+            return config.parse_value(option, text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return parse
+
+
+def nonempty(text: str) -> str:
+    """An argparse type for a flag that is not a setting (--config, --pidfile, --identity):
+    given empty, it is refused as an empty setting is (config.parse_value)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(config.EMPTY)
+    return text
 
 
 def _positive_float(name: str):
@@ -51,7 +59,7 @@ def build_parser() -> ArgumentParser:
         else:
             start.add_argument(*names, dest=o.dest, type=_flag_type(o), metavar=o.metavar,
                                action="append" if o.repeat else "store", default=None, help=help_)
-    start.add_argument("--config", metavar="PATH", default=None,
+    start.add_argument("--config", metavar="PATH", default=None, type=nonempty,
                        help="TOML file: a forkq.toml, or a pyproject.toml with [tool.forkq] "
                             "(default: ./pyproject.toml's [tool.forkq] if any) [env FORKQ_CONFIG]")
     start.add_argument("--print-config", action="store_true",
@@ -63,13 +71,14 @@ def build_parser() -> ArgumentParser:
                          ("status", "the master and each child: slot, pid, busy, RSS, heartbeat age"),
                          ("check", "exit 0 if the master and every child heartbeat are healthy")):
         p = ctl_sub.add_parser(action, help=text)
-        p.add_argument("--pidfile", default=None, help="the master's pidfile (default: start's default)")
-        p.add_argument("--config", metavar="PATH", default=None,
+        p.add_argument("--pidfile", default=None, type=nonempty,
+                       help="the master's pidfile (default: start's default)")
+        p.add_argument("--config", metavar="PATH", default=None, type=nonempty,
                        help="the TOML file start was given, for its pidfile and redis-url [env FORKQ_CONFIG]")
         if action in ("quiet", "stop"):
             target = p.add_mutually_exclusive_group()
-            target.add_argument("--identity", help="signal this process through Redis instead")
-            target.add_argument("--host", help="signal every process on this host through Redis")
+            target.add_argument("--identity", type=nonempty, help="signal this process through Redis instead")
+            target.add_argument("--host", type=nonempty, help="signal every process on this host through Redis")
             target.add_argument("--all", action="store_true", help="signal every process through Redis")
         if action == "stop":
             p.add_argument("--timeout", type=_positive_float("--timeout"), default=60.0,
@@ -113,7 +122,8 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     """stats, queues, processes and the dead/retry/schedule sets: read-only views and
     bulk actions on what is in Redis, for people (tables) and scripts (--json)."""
     common = ArgumentParser(add_help=False)
-    common.add_argument("--redis-url", default=None, help="Redis URL [env FORKQ_REDIS_URL]")
+    common.add_argument("--redis-url", default=None, type=_flag_type(config.BY_KEY["redis_url"]),
+                        help="Redis URL [env FORKQ_REDIS_URL]")
     common.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
     p = sub.add_parser("stats", parents=[common], help="processed/failed totals, set sizes, daily history")
     p.add_argument("--days", type=whole_number("--days", 1, 3660), default=7, help="days of history (default 7)")
@@ -186,7 +196,7 @@ def _import(item: str, name: str) -> None:
 
 def settings_from(args: argparse.Namespace) -> tuple[Settings, dict[str, str]]:
     flags = {o.field: getattr(args, o.dest) for o in config.OPTIONS}
-    return config.resolve(flags, config_path=args.config or os.environ.get("FORKQ_CONFIG"))
+    return config.resolve(flags, config_path=config.config_path(args.config))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,16 +247,18 @@ def ctl(args: argparse.Namespace) -> int:
     import signal
 
     from . import control
-    if args.config:
+    try:
+        path = config.config_path(args.config)
+        settings, _ = config.resolve({}, config_path=path)
+    except ConfigError as exc:  # what start would refuse: a setting, not the master's state
+        sys.stderr.write(f"forkq: {exc}\n")
+        return 2
+    if path is not None:
         # read the same file start read: control.default_pidfile() looks there, and so
         # does the Redis URL below
-        os.environ["FORKQ_CONFIG"] = args.config
-    settings, _ = config.resolve({}, config_path=os.environ.get("FORKQ_CONFIG"))
+        os.environ["FORKQ_CONFIG"] = path
     if settings.redis_url:
         os.environ.setdefault("FORKQ_REDIS_URL", settings.redis_url)
-    for flag in ("identity", "host"):
-        if getattr(args, flag, None) == "":
-            raise ConfigError(f"--{flag} needs a value, not an empty string")
     remote = (getattr(args, "identity", None) is not None or getattr(args, "host", None) is not None
               or getattr(args, "all", False))
     if args.action in ("quiet", "stop") and remote:
@@ -416,7 +428,11 @@ def admin(args: argparse.Namespace) -> int:
     """Run one admin command; a Redis failure is one line naming the (masked) URL."""
     import redis
     from . import api, client
-    url = client.redis_url(args.redis_url)
+    try:
+        url = client.redis_url(args.redis_url or config.from_env("redis_url"))
+    except ConfigError as exc:
+        sys.stderr.write(f"forkq: {exc}\n")
+        return 2
     try:
         conn = api.connect(url)
         if args.command in SET_ACTIONS:

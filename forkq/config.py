@@ -12,7 +12,7 @@ import ipaddress
 import os
 import re
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +136,7 @@ class Option:
     is_switch: bool = False
     metavar: str | None = None
     nonempty: bool = False            # a repeatable setting that may not be an empty list
+    empty_ok: bool = False            # "" is a value of its own, not a mistake (see parse_value)
 
     @property
     def name(self) -> str:
@@ -160,14 +161,15 @@ OPTIONS = [
            "-q", repeat=True, metavar="NAME[,WEIGHT]", nonempty=True),
     Option("--timeout", "timeout", positive_float, "seconds running jobs get to finish at stop (default 25)", "-t"),
     Option("--redis-url", "redis_url", text, "Redis URL (default redis://127.0.0.1:6379/0)"),
-    Option("--no-fork", "no_fork", switch, "run one worker in this process, without a master", is_switch=True),
+    Option("--no-fork", "no_fork", switch, "run one worker in this process, without a master", is_switch=True,
+           empty_ok=True),  # FORKQ_NO_FORK= is off, as in a shell
     Option("--poll-interval", "poll_interval", positive_float,
            "average seconds between scheduled/retry polls per process (default 5)"),
     # at most a third of the heartbeat's 60 s expiry (Sidekiq's), or a live process would
     # vanish from `processes` between beats and lose a remote signal left for it
     Option("--heartbeat-interval", "heartbeat_interval", seconds_at_most(keys.HEARTBEAT_TTL_S / 3),
            "seconds between heartbeats, at most 20; remote signals are read at each (default 5)"),
-    Option("--tag", "tag", text, "tag shown in the heartbeat"),
+    Option("--tag", "tag", text, "tag shown in the heartbeat", empty_ok=True),
     Option("--log-level", "log_level", one_of(*logs.LEVELS), "debug, info, warning, error or critical"),
     Option("--log-format", "log_format", one_of("json", "text"),
            "json or text (default: text on a terminal, JSON otherwise)"),
@@ -186,6 +188,48 @@ OPTIONS = [
            "address the metrics port listens on (default 0.0.0.0: every IPv4 interface; :: for IPv6 too)",
            metavar="ADDRESS"),
 ]
+
+EMPTY = "must not be empty (leave it out for the default)"
+
+
+def parse_value(o: Option, value: Any) -> Any:
+    """One value of a setting, from any source. An empty string is refused unless it means
+    something of its own (no tag, a switch off): set explicitly, it is a mistake, such as a
+    secret or template that resolved to nothing, and taking it for the default would start
+    a worker on a Redis at localhost, or with a pidfile that ctl then looks for elsewhere."""
+    if isinstance(value, str) and not value.strip() and not o.empty_ok:
+        raise ValueError(EMPTY)
+    return o.parse(value)
+
+
+def given(name: str, value: str | None) -> str | None:
+    """A flag or environment variable that is not a setting (--config, FORKQ_CONFIG, the
+    dashboard's password): None when not given, refused when given empty, as parse_value."""
+    if value is not None and not value.strip():
+        raise ConfigError(f"{name if name.startswith('-') else f'{name}={value!r}:'} {EMPTY}")
+    return value
+
+
+def config_path(flag: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The file to read settings from: --config, else FORKQ_CONFIG, else None (meaning
+    ./pyproject.toml's [tool.forkq], if any)."""
+    environ = os.environ if environ is None else environ
+    if flag is not None:
+        return given("--config", flag)
+    return given("FORKQ_CONFIG", environ.get("FORKQ_CONFIG"))
+
+
+def from_env(field: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One setting from its FORKQ_* variable alone (None when unset), checked as resolve
+    checks it: for the commands that read no file (the admin commands, forkq web)."""
+    o = BY_KEY[field]
+    environ = os.environ if environ is None else environ
+    if o.env not in environ:
+        return None
+    raw = environ[o.env]
+    # an empty list stays one empty value, so that parse_value names it
+    return _parse(o, (raw.split() or [raw]) if o.repeat else raw, f"{o.env}={_shown(o, raw)}")
+
 
 def _keys() -> dict[str, Option]:
     table: dict[str, Option] = {}
@@ -246,7 +290,7 @@ def read_file(path: str | None) -> tuple[dict[str, Any], str | None]:
     return section, path
 
 
-def resolve(flags: dict[str, Any], environ: dict[str, str] | None = None,
+def resolve(flags: dict[str, Any], environ: Mapping[str, str] | None = None,
             config_path: str | None = None) -> tuple[Settings, dict[str, str]]:
     """Merge the sources; returns the settings and, per field, where its value came from."""
     environ = os.environ if environ is None else environ
@@ -260,10 +304,8 @@ def resolve(flags: dict[str, Any], environ: dict[str, str] | None = None,
             setattr(settings, o.field, flag_value)
             sources[o.field] = "flag"
             continue
-        if o.env in environ or (o.field == "redis_url" and "FORKQ_REDIS_URL" in environ):
-            raw = environ[o.env]
-            values = raw.split() if o.repeat else raw
-            setattr(settings, o.field, _parse(o, values, f"{o.env}={raw!r}"))
+        if o.env in environ:
+            setattr(settings, o.field, from_env(o.field, environ))
             sources[o.field] = "env"
             continue
         if o in by_option:
@@ -280,10 +322,11 @@ def _parse(o: Option, raw: Any, where: str) -> Any:
         if o.repeat:
             if o.nonempty and not raw:
                 raise ValueError(f"needs at least one {o.metavar or 'value'}, not an empty list")
-            return [o.parse(v) for v in raw]
-        return o.parse(raw)
+            return [parse_value(o, v) for v in raw]
+        return parse_value(o, raw)
     except ValueError as exc:
-        if o.field == "redis_url":  # the parser's message would repeat the value, password and all
+        if o.field == "redis_url" and not isinstance(raw, str):
+            # the parser's message would repeat the value, password and all
             exc = ValueError(f"must be a string, not {_shown(o, raw)}")
         raise ConfigError(f"{where}: {o.flag} {exc}") from None
 

@@ -30,7 +30,7 @@ def default_pidfile() -> str:
     if os.environ.get("FORKQ_PIDFILE"):
         return os.environ["FORKQ_PIDFILE"]
     from . import config
-    values, _ = config.read_file(os.environ.get("FORKQ_CONFIG"))
+    values, _ = config.read_file(config.config_path(None))
     for key, value in values.items():
         if config.BY_KEY[key].field == "pidfile" and isinstance(value, str) and value:
             return value

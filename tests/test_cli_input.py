@@ -15,7 +15,7 @@ import time
 import pytest
 
 from forkq.queues import QueueOrder
-from helpers import wait_until
+from helpers import free_port, wait_until
 from test_admin_cli import REPO_ROOT, run
 
 
@@ -60,8 +60,34 @@ def test_a_redis_that_answers_with_errors_is_one_line_not_a_worker_that_idles(r,
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("flag", ["--host", "--identity"])
 def test_an_empty_remote_target_is_refused_not_taken_for_the_local_master(r, redis_url, tmp_path, flag):
-    one_line(run("ctl", "stop", flag, "", "--pidfile", str(tmp_path / "none.pid")), 1,
-             f"{flag} needs a value")
+    one_line(run("ctl", "stop", flag, "", "--pidfile", str(tmp_path / "none.pid")), 2,
+             flag, "must not be empty")
+
+
+def run_env(*args: str, env: dict[str, str], timeout: float = 20) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "forkq", *args], env={**os.environ, **env},
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.timeout(60)
+def test_values_set_empty_are_refused_by_ctl_admin_and_web(r, redis_url, tmp_path):
+    """A secret or template that resolved to nothing: each command says which setting is
+    empty (exit 2) instead of reading it as unset, which meant Redis at localhost, the
+    default pidfile, or a dashboard without its password."""
+    pidfile = str(tmp_path / "none.pid")
+    one_line(run("ctl", "status", "--pidfile", pidfile, url=""), 2, "FORKQ_REDIS_URL", "--redis-url")
+    one_line(run_env("ctl", "status", env={"FORKQ_PIDFILE": ""}), 2, "FORKQ_PIDFILE", "--pidfile")
+    one_line(run_env("ctl", "status", "--pidfile", pidfile, env={"FORKQ_CONFIG": ""}), 2, "FORKQ_CONFIG")
+    one_line(run("ctl", "status", "--pidfile", ""), 2, "--pidfile", "must not be empty")
+    one_line(run("ctl", "status", "--pidfile", pidfile, "--config", ""), 2, "--config", "must not be empty")
+    one_line(run("queues", "--redis-url", ""), 2, "--redis-url", "must not be empty")
+    one_line(run("dead", "list", url=""), 2, "FORKQ_REDIS_URL", "--redis-url")
+    port = str(free_port())
+    one_line(run("web", "--port", port, "--password", ""), 2, "--password", "must not be empty")
+    for name in ("FORKQ_WEB_PASSWORD", "FORKQ_WEB_TOKEN", "FORKQ_WEB_SECRET"):
+        one_line(run_env("web", "--port", port, env={name: ""}), 2, name, "must not be empty")
+    one_line(run("web", "--port", port, url=""), 2, "FORKQ_REDIS_URL", "--redis-url")
 
 
 @pytest.mark.timeout(30)

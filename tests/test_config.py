@@ -430,6 +430,48 @@ def test_unreadable_config_file_fails_in_one_line(tmp_path, start_inproc, case):
     one_line_error(start_inproc("--config", str(path)), path.name)
 
 
+# -- a value set explicitly to empty is a mistake, not the default ------------------------------
+
+# (source, what is set, fragments of the one-line error: the source, then the setting)
+EMPTY_VALUES = [
+    ("env", {"FORKQ_REDIS_URL": ""}, ["FORKQ_REDIS_URL=''", "--redis-url", "must not be empty"]),
+    ("env", {"FORKQ_REDIS_URL": " \n"}, ["FORKQ_REDIS_URL=", "--redis-url", "must not be empty"]),
+    ("env", {"FORKQ_PIDFILE": ""}, ["FORKQ_PIDFILE=''", "--pidfile", "must not be empty"]),
+    ("env", {"FORKQ_REQUIRE": ""}, ["FORKQ_REQUIRE=''", "--require", "must not be empty"]),
+    ("env", {"FORKQ_LOG_FORMAT": ""}, ["FORKQ_LOG_FORMAT=''", "--log-format", "must not be empty"]),
+    ("env", {"FORKQ_CONFIG": ""}, ["FORKQ_CONFIG=''", "must not be empty"]),
+    ("file", 'redis-url = ""', ["forkq.toml", "redis-url = ''", "--redis-url", "must not be empty"]),
+    ("file", 'pidfile = ""', ["forkq.toml", "--pidfile", "must not be empty"]),
+    ("file", 'require = ["app.jobs", ""]', ["forkq.toml", "--require", "must not be empty"]),
+    ("flag", ["--redis-url", ""], ["--redis-url", "must not be empty"]),
+    ("flag", ["--pidfile", ""], ["--pidfile", "must not be empty"]),
+    ("flag", ["-r", ""], ["--require", "must not be empty"]),
+    ("flag", ["--config", ""], ["--config", "must not be empty"]),
+]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("source, value, expected", EMPTY_VALUES,
+                         ids=[f"{s}-{v}" for s, v, _ in EMPTY_VALUES])
+def test_a_value_set_empty_is_refused_naming_setting_and_source(tmp_path, start_inproc, source, value,
+                                                               expected):
+    # an empty Redis URL used to mean localhost: a secret that resolved to nothing must
+    # stop the start, not send the workers to another Redis
+    one_line_error(start_inproc(*_bad_args(tmp_path, source, value), env=_bad_env(source, value)), *expected)
+
+
+@pytest.mark.timeout(30)
+def test_a_value_set_empty_is_refused_end_to_end(tmp_path):
+    one_line_error(run_start(tmp_path, env={"FORKQ_REDIS_URL": ""}), "FORKQ_REDIS_URL", "--redis-url")
+
+
+@pytest.mark.timeout(30)
+def test_empty_is_a_value_of_its_own_for_the_tag_and_a_switch(tmp_path, start_inproc):
+    write(tmp_path / "pyproject.toml", '[tool.forkq]\ntag = "file"\nno-fork = true\n')
+    got = parse_config(start_inproc(env={"FORKQ_TAG": "", "FORKQ_NO_FORK": ""}))
+    assert got["tag"] == ("", "env") and got["no-fork"] == (False, "env")
+
+
 # -- the Redis password is masked, whatever the source -----------------------------------------
 
 

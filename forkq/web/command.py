@@ -7,7 +7,8 @@ import argparse
 import os
 import sys
 
-from ..cli import whole_number
+from .. import config
+from ..cli import nonempty, whole_number
 from ..errors import ConfigError
 from .security import is_loopback
 
@@ -22,11 +23,11 @@ def add_web_command(sub: argparse._SubParsersAction) -> None:
                         "needs --password or --token")
     p.add_argument("--port", type=whole_number("--port", 1, 65535), default=DEFAULT_PORT,
                    help=f"default {DEFAULT_PORT}")
-    p.add_argument("--password", default=None,
+    p.add_argument("--password", default=None, type=nonempty,
                    help="require HTTP Basic auth with this password [env FORKQ_WEB_PASSWORD]")
-    p.add_argument("--token", default=None,
+    p.add_argument("--token", default=None, type=nonempty,
                    help="require this bearer token (or a login with it) [env FORKQ_WEB_TOKEN]")
-    p.add_argument("--redis-url", default=None, help="Redis URL [env FORKQ_REDIS_URL]")
+    p.add_argument("--redis-url", default=None, type=nonempty, help="Redis URL [env FORKQ_REDIS_URL]")
     p.add_argument("--url-prefix", default="", metavar="PATH",
                    help="serve under this path, e.g. /forkq behind a reverse proxy")
     p.add_argument("--login-limit", type=whole_number("--login-limit", 0), default=10, metavar="N",
@@ -37,8 +38,16 @@ def add_web_command(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    password = args.password or os.environ.get("FORKQ_WEB_PASSWORD") or None
-    token = args.token or os.environ.get("FORKQ_WEB_TOKEN") or None
+    try:
+        # an empty secret (a Kubernetes secret that resolved to nothing) must not serve
+        # the dashboard without the password someone meant it to have
+        password = args.password or config.given("FORKQ_WEB_PASSWORD", os.environ.get("FORKQ_WEB_PASSWORD"))
+        token = args.token or config.given("FORKQ_WEB_TOKEN", os.environ.get("FORKQ_WEB_TOKEN"))
+        secret = config.given("FORKQ_WEB_SECRET", os.environ.get("FORKQ_WEB_SECRET"))
+        redis_url = args.redis_url or config.from_env("redis_url")
+    except ConfigError as exc:
+        sys.stderr.write(f"forkq: {exc}\n")
+        return 2
     if not is_loopback(args.bind) and not (password or token):
         sys.stderr.write(f"forkq: refusing to serve the dashboard on {args.bind} without "
                          "--password or --token (or FORKQ_WEB_PASSWORD / FORKQ_WEB_TOKEN): "
@@ -56,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"forkq: forkq web needs {exc.name}: pip install 'forkq[web]'\n")
         return 1
     try:
-        app = Dashboard(args.redis_url, password=password, token=token,
-                        secret=os.environ.get("FORKQ_WEB_SECRET"), login_limit=args.login_limit)
+        app = Dashboard(redis_url, password=password, token=token, secret=secret,
+                        login_limit=args.login_limit)
     except (ConfigError, ValueError) as exc:  # a malformed Redis URL
         sys.stderr.write(f"forkq: {exc}\n")
         return 2
