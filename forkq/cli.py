@@ -329,21 +329,28 @@ def warn_about_redis(settings: Settings) -> None:
     from . import client
     import redis
     conn = client.connect(settings.redis_url, socket_timeout=5)
+    shown = client.mask_url(client.redis_url(settings.redis_url))
     try:
         conn.ping()
-    except (redis.ConnectionError, redis.TimeoutError):
-        pass  # an outage: the warning below, and workers retry
-    except redis.RedisError as exc:  # it answered, but no retry will help: DB out of range, not Redis
-        conn.close()
-        raise ConfigError(f"--redis-url {client.mask_url(client.redis_url(settings.redis_url))}: "
-                          f"{type(exc).__name__}: {exc}") from None
+    except redis.RedisError as exc:
+        if refused_credentials(exc):
+            # redis-py files this under ConnectionError, but a retry only repeats the
+            # refusal: at start it is a setting to fix (a password rotated under a running
+            # worker is an outage to it instead, logged and retried)
+            conn.close()
+            raise ConfigError(f"Redis refused the credentials (password or ACL user) of "
+                              f"--redis-url {shown}: {exc}") from None
+        if not isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+            # it answered, but no retry will help: DB out of range, not Redis
+            conn.close()
+            raise ConfigError(f"--redis-url {shown}: {type(exc).__name__}: {exc}") from None
+        # an outage: the warning below, and workers retry
     try:
         policy = conn.config_get("maxmemory-policy")
     except redis.ResponseError:
         return  # CONFIG is disabled on many managed servers; nothing to learn then
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        logs.get("forkq").warning("Redis unreachable at boot; workers will retry",
-                                  url=client.mask_url(client.redis_url(settings.redis_url)), error=str(exc))
+        logs.get("forkq").warning("Redis unreachable at boot; workers will retry", url=shown, error=str(exc))
         return
     finally:
         conn.close()  # the master forks next: no socket of its own may cross into a child
@@ -355,17 +362,22 @@ def warn_about_redis(settings: Settings) -> None:
 
 
 def warn_about_timing(settings: Settings) -> None:
-    """Leases that can expire under a live process: its jobs would run twice."""
-    s, warn = settings, logs.get("forkq").warning
-    if s.recovery_delay < 3 * s.heartbeat_interval:
-        warn("--recovery-delay is under 3 heartbeats: a live process whose heartbeats run late "
-             "(a slow Redis, a long GC pause) looks dead, and another forkq runs its jobs again",
-             recovery_delay=s.recovery_delay, heartbeat_interval=s.heartbeat_interval)
+    """A lease that can expire under a live process: its jobs would run twice. (A lease is
+    never under 3 of the owner's own heartbeats: orphans.dead_owners sees to that.)"""
+    s = settings
     if not s.no_fork and s.recovery_delay <= s.hang_timeout:
-        warn("--recovery-delay is not above --hang-timeout: a child stuck in a job (one holding "
-             "the GIL) stops its heartbeat, and another forkq may take its jobs before this "
-             "master kills it; the job could then finish twice",
-             recovery_delay=s.recovery_delay, hang_timeout=s.hang_timeout)
+        logs.get("forkq").warning("--recovery-delay is not above --hang-timeout: a child stuck in a job (one holding "
+            "the GIL) stops its heartbeat, and another forkq may take its jobs before this "
+            "master kills it; the job could then finish twice",
+            recovery_delay=s.recovery_delay, hang_timeout=s.hang_timeout)
+
+
+def refused_credentials(exc: BaseException) -> bool:
+    """A wrong password or ACL user: redis-py raises AuthenticationError for WRONGPASS and
+    NOAUTH, but an error reply it does not map arrives as a plain ResponseError."""
+    import redis
+    return isinstance(exc, redis.AuthenticationError) or (
+        isinstance(exc, redis.ResponseError) and str(exc).startswith(("WRONGPASS", "NOAUTH")))
 
 
 class StoppedWhileStarting(BaseException):

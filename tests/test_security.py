@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from corekit import CORE_JOBS, records, workers, zset  # noqa: F401
@@ -264,3 +265,58 @@ def test_the_redis_password_never_appears_in_logs_status_config_or_heartbeats(sp
     # the password is not hidden by accident (a URL that was never printed): the masked form is
     assert ":***@" in texts["--print-config"]
     assert ":***@" in texts["late worker log (text)"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", [[], ["--no-fork"]])
+def test_credentials_redis_refuses_at_start_are_one_line_and_exit_2(tmp_path, mode):
+    """A wrong password or ACL user is a setting to fix, not an outage to wait out: start
+    used to take it for an unreachable Redis and retry forever."""
+    with PasswordRedis() as server:
+        r = server.client()
+        r.execute_command("ACL", "SETUSER", "worker", "on", ">right-pw", "~*", "&*", "+@all")
+        r.close()
+        urls = {
+            "no password": f"redis://127.0.0.1:{server.port}/0",
+            "wrong password": f"redis://:wrong-{PASSWORD}@127.0.0.1:{server.port}/0",
+            "wrong ACL password": f"redis://worker:wrong-{PASSWORD}@127.0.0.1:{server.port}/0",
+            "unknown ACL user": f"redis://nobody:{PASSWORD}@127.0.0.1:{server.port}/0",
+        }
+        for case, url in urls.items():
+            out = _forkq(_env(url), "start", "--require", str(CORE_JOBS), "--processes", "1",
+                         "--pidfile", str(tmp_path / "forkq.pid"), *mode, timeout=30)
+            err = out.stderr.strip()
+            assert out.returncode == 2, (case, out.returncode, out.stdout[-2000:], out.stderr[-2000:])
+            assert "\n" not in err and "Traceback" not in out.stderr, (case, out.stderr)
+            assert err.startswith("forkq: Redis refused the credentials"), (case, err)
+            assert f"127.0.0.1:{server.port}" in err and PASSWORD not in out.stdout + out.stderr, (case, err)
+
+
+@pytest.mark.timeout(60)
+def test_a_password_changed_under_a_running_master_is_retried_not_fatal(spawn, tmp_path):
+    # the start-up check must not reach a running worker: Redis refusing it later (a
+    # password rotated before the workers' settings) is logged and retried until it is fixed
+    with PasswordRedis() as server:
+        env = _env(server.secret_url)
+        r = server.client()
+        master, log = spawn(env, "master.log", "--processes", "1", "--concurrency", "1",
+                            "--log-format", "json", "--heartbeat-interval", "1",
+                            "--pidfile", str(tmp_path / "forkq.pid"))
+        wait_until(lambda: master.poll() is None and r.scard("processes") == 1, timeout=20,
+                   message=f"the child's heartbeat\n{log.read_text()[-3000:]}")
+        child = psutil.Process(master.pid).children()[0].pid
+        r.acl_log_reset()
+        r.config_set("requirepass", "rotated")
+        r.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+
+        def refused_logins() -> int:  # Redis counts the AUTHs it refused in its ACL log
+            assert master.poll() is None, log.read_text()[-3000:]
+            return sum(int(e["count"]) for e in r.acl_log() if e["reason"] in ("auth", b"auth"))
+        wait_until(lambda: refused_logins() >= 3, timeout=20, message="three refused logins")
+        assert psutil.Process(master.pid).children()[0].pid == child  # retried, not restarted
+        r.config_set("requirepass", PASSWORD)
+        r.lpush("queue:default", json.dumps({"class": "tests.apps.core_jobs.record", "args": ["back"],
+                                             "jid": "e" * 24, "queue": "default"}))
+        wait_until(lambda: master.poll() is None and r.llen("core:ran") == 1, timeout=30,
+                   message=f"the job ran once the password was back\n{log.read_text()[-3000:]}")
+        r.close()
