@@ -217,11 +217,15 @@ Filter = Callable[[Entry], bool]
 
 
 def matching(klass: str | None = None, queue: str | None = None,
-             jid: str | None = None) -> Filter:
-    """A filter on class (the `wrapped` name for ActiveJob, or `class`), queue and jid."""
+             jid: str | None = None, malformed: bool = False) -> Filter:
+    """A filter on class (the `wrapped` name for ActiveJob, or `class`), queue and jid;
+    `malformed` keeps only what was never a runnable job: the `forkq.MalformedJob` entries
+    forkq writes for payloads it could not parse, and members that do not parse at all."""
     def test(entry: Entry) -> bool:
         if entry.job is None:
             return klass is None and queue is None and jid is None
+        if malformed and entry.job.get("class") != MALFORMED_CLASS:
+            return False
         return ((klass is None or klass in (entry.klass, entry.job.get("class")))
                 and (queue is None or entry.queue == queue)
                 and (jid is None or entry.jid == jid))

@@ -118,6 +118,10 @@ SET_ACTIONS = {"dead": ("retry", "delete"), "retry": ("retry-now", "delete", "ki
                "schedule": ("run-now", "delete", "kill")}
 
 
+MALFORMED_HELP = ("entries that are no runnable job: forkq.MalformedJob (a payload forkq "
+                  "could not parse) and members that do not parse")
+
+
 def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     """stats, queues, processes and the dead/retry/schedule sets: read-only views and
     bulk actions on what is in Redis, for people (tables) and scripts (--json)."""
@@ -137,6 +141,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
         listing.add_argument("--jid", help="only this job")
         listing.add_argument("--class", dest="klass", metavar="NAME", help="only jobs of this class")
         listing.add_argument("--queue", help="only jobs of this queue")
+        listing.add_argument("--malformed", action="store_true", help=MALFORMED_HELP)
         listing.add_argument("--limit", type=whole_number("--limit"), default=100,
                              help="show at most this many (default 100)")
         for verb in actions:
@@ -146,6 +151,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
             pick.add_argument("--class", dest="klass", metavar="NAME", help="every entry of this class")
             pick.add_argument("--queue", help="every entry of this queue")
             pick.add_argument("--all", action="store_true", help="every entry")
+            pick.add_argument("--malformed", action="store_true", help=MALFORMED_HELP)
 
 
 def module_name_for(path: Path) -> str | None:
@@ -585,7 +591,8 @@ def _busy(conn, args):
 def _set_command(conn, args: argparse.Namespace) -> int:
     from . import api
     zset = api.SortedSet(conn, args.command)
-    where = api.matching(klass=args.klass, queue=args.queue, jid=args.jid)
+    where = api.matching(klass=args.klass, queue=args.queue, jid=args.jid,
+                         malformed=getattr(args, "malformed", False))
     if args.action == "list":
         import itertools
         entries = list(itertools.islice(zset.entries(where), args.limit))
@@ -594,6 +601,10 @@ def _set_command(conn, args: argparse.Namespace) -> int:
             f"no matching entries in {args.command}"]
         _emit(args, [e.to_dict() for e in entries], table)
         return 0
+    if getattr(args, "malformed", False) and args.action in ("retry", "retry-now", "run-now"):
+        sys.stderr.write(f"forkq: {args.action} --malformed: these entries are no runnable jobs; "
+                         f"list them, or delete them\n")
+        return 2
     action = {"retry": zset.retry_now, "retry-now": zset.retry_now, "run-now": zset.retry_now,
               "delete": zset.delete, "kill": zset.kill}[args.action]
     if args.jid:

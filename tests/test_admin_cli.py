@@ -170,3 +170,25 @@ def test_json_output_is_strict_json_when_payloads_hold_nan_or_infinity(r, redis_
     (busy,) = strict_json("busy")
     assert busy["jid"] == "d" * 24 and busy["run_at"] is None and busy["args"] == [None, 1.5]
     assert strict_json("stats")["dead"] == 1
+
+
+@pytest.mark.timeout(30)
+def test_malformed_selects_only_what_was_never_a_runnable_job(r, redis_url):
+    from forkq.retry import MALFORMED_QUEUE, dead_entry_for_malformed
+    fill(r, "dead", [sk_job(i) for i in range(3)])
+    # what forkq writes for a payload it could not parse, from a queue and from the retry set
+    bad = [dead_entry_for_malformed(b'{"class": 3}', "default", "payload has no 'class' string", 1.0),
+           dead_entry_for_malformed(b"\xff not json", MALFORMED_QUEUE, "payload is not valid UTF-8", 2.0)]
+    fill(r, "dead", bad, base=1_800_000_000.0)
+    r.zadd("dead", {b"[1, 2]": 1_900_000_000.0})  # a member no client wrote as a job
+    listed = ok_json("dead", "list", "--malformed")
+    assert [e["jid"] for e in listed] == [bad[0]["jid"], bad[1]["jid"], None]
+    assert [e["class"] for e in listed[:2]] == ["forkq.MalformedJob"] * 2 and listed[2]["job"] == "[1, 2]"
+    assert [e["jid"] for e in ok_json("dead", "list", "--malformed", "--jid", bad[1]["jid"])] == [bad[1]["jid"]]
+    out = run("dead", "retry", "--malformed")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "delete" in out.stderr, out.stderr
+    assert ok_json("dead", "delete", "--malformed") == {"set": "dead", "action": "delete", "count": 3}
+    assert [e["jid"] for e in ok_json("dead", "list")] == ["%024x" % (i + 1) for i in range(3)]
+    # the selector is one of the bulk ones: not beside another
+    out = run("dead", "delete", "--malformed", "--all")
+    assert out.returncode == 2 and "not allowed with" in out.stderr, out.stderr
