@@ -589,7 +589,7 @@ def _busy(conn, args):
 
 
 def _set_command(conn, args: argparse.Namespace) -> int:
-    from . import api
+    from . import api, keys
     zset = api.SortedSet(conn, args.command)
     where = api.matching(klass=args.klass, queue=args.queue, jid=args.jid,
                          malformed=getattr(args, "malformed", False))
@@ -607,6 +607,7 @@ def _set_command(conn, args: argparse.Namespace) -> int:
         return 2
     action = {"retry": zset.retry_now, "retry-now": zset.retry_now, "run-now": zset.retry_now,
               "delete": zset.delete, "kill": zset.kill}[args.action]
+    dead_before = api.dead(conn).size() if args.action == "kill" else 0
     if args.jid:
         entry = zset.find(args.jid)
         if entry is None:
@@ -620,8 +621,17 @@ def _set_command(conn, args: argparse.Namespace) -> int:
             return 1
     else:
         count = zset.apply(action, None if args.all else where)
-    _emit(args, {"set": args.command, "action": args.action, "count": count},
-          [f"{args.action}: {count} entr{'y' if count == 1 else 'ies'} of {args.command}"])
+    data: dict[str, object] = {"set": args.command, "action": args.action, "count": count}
+    line = f"{args.action}: {count} entr{'y' if count == 1 else 'ies'} of {args.command}"
+    if args.action == "kill":
+        # the dead set is trimmed as Sidekiq trims it, so a big kill does not leave all it
+        # moved there: say how many are gone rather than let the count promise them
+        data["dropped"] = dropped = max(0, dead_before + count - api.dead(conn).size())
+        line += " moved to dead"
+        if dropped:
+            line += (f", which keeps only its newest {keys.DEAD_MAX_JOBS - 1:,} entries (none older than "
+                     f"{keys.DEAD_TIMEOUT_S // 86400} days): its {dropped:,} oldest were dropped")
+    _emit(args, data, [line])
     return 0
 
 

@@ -192,3 +192,22 @@ def test_malformed_selects_only_what_was_never_a_runnable_job(r, redis_url):
     # the selector is one of the bulk ones: not beside another
     out = run("dead", "delete", "--malformed", "--all")
     assert out.returncode == 2 and "not allowed with" in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_kill_past_the_dead_sets_limit_says_how_many_were_dropped(r, redis_url):
+    # the dead set keeps Sidekiq's newest 9,999: "kill: 10050 entries" alone promised
+    # entries that are gone
+    fill(r, "dead", [sk_job(i, klass="Old") for i in range(5)], base=1_600_000_000.0)
+    fill(r, "retry", [sk_job(i) for i in range(10_050)])
+    assert ok_json("retry", "kill", "--all") == {"set": "retry", "action": "kill", "count": 10_050,
+                                                 "dropped": 56}
+    assert r.zcard("dead") == 9_999 and r.zcard("retry") == 0
+    assert not [e for e in api.dead(api.connect()).entries() if e.klass == "Old"]  # oldest first
+    fill(r, "retry", [sk_job(i) for i in range(3)])
+    out = run("retry", "kill", "--all")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ("kill: 3 entries of retry moved to dead, which keeps only its newest 9,999 "
+                          "entries (none older than 180 days): its 3 oldest were dropped\n")
+    assert ok_json("schedule", "kill", "--all") == {"set": "schedule", "action": "kill", "count": 0,
+                                                    "dropped": 0}
