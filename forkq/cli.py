@@ -372,7 +372,8 @@ def warn_about_timing(settings: Settings) -> None:
     never under 3 of the owner's own heartbeats: orphans.dead_owners sees to that.)"""
     s = settings
     if not s.no_fork and s.recovery_delay <= s.hang_timeout:
-        logs.get("forkq").warning("--recovery-delay is not above --hang-timeout: a child stuck in a job (one holding "
+        logs.get("forkq").warning(
+            "--recovery-delay is not above --hang-timeout: a child stuck in a job (one holding "
             "the GIL) stops its heartbeat, and another forkq may take its jobs before this "
             "master kills it; the job could then finish twice",
             recovery_delay=s.recovery_delay, hang_timeout=s.hang_timeout)
