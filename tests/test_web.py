@@ -309,6 +309,24 @@ def test_hostile_payload_text_is_escaped_everywhere(browser, r, redis_url):
 
 
 @pytest.mark.timeout(30)
+def test_odd_payload_text_and_scores_are_shown_not_crashed_on(browser, r, redis_url):
+    # json.dumps writes the lone surrogate as the escape "\\ud800" and NaN as NaN, as a
+    # careless client would; json.loads (and so forkq) reads both back
+    job = dead_job(1, args=["\ud800", "\u202eevil"], error_message="\x1b[31mred\x1b[0m",
+                   failed_at=float("nan"))
+    r.zadd("dead", {json.dumps(job): time.time()})
+    r.zadd("retry", {json.dumps(dead_job(2)): float("inf")})
+    r.zadd("schedule", {'{"class":"Deep","args":' + "[" * 1020 + "]" * 1020 + "}": time.time()})
+    pages = {p: browser.get(p) for p in ("/dead", "/retries", "/scheduled")}
+    assert {p: page.status for p, page in pages.items()} == dict.fromkeys(pages, 200)
+    dead = pages["/dead"].text
+    assert "\\u001b[31mred\\u001b[0m" in dead and "\x1b" not in dead  # ANSI codes written out
+    assert "\\ud800" in dead and "\\u202eevil" in dead and "\u202e" not in dead
+    assert jids_on(pages["/retries"]) == [dead_job(2)["jid"]]
+    assert "Deep" in pages["/scheduled"].text
+
+
+@pytest.mark.timeout(30)
 def test_non_loopback_bind_refuses_without_a_password_or_token(redis_url):
     for bind in ("0.0.0.0", "::", "192.0.2.1", "example.com"):
         out = run_forkq("web", "--bind", bind, "--port", "1", "--redis-url", redis_url)

@@ -5,7 +5,7 @@ are hostile input), static files, and the headers on every answer."""
 from __future__ import annotations
 
 import base64
-import json
+import math
 import mimetypes
 import os
 import threading
@@ -45,20 +45,32 @@ def _age(seconds: float | None) -> str:
 def _when(stamp: Any, now: float) -> str:
     """A Sidekiq stamp (float seconds, or Sidekiq 8 integer milliseconds) as "3.0m ago" or
     "in 2.0h"."""
-    value = payload.seconds(stamp)
+    value = _finite(stamp)
     if value is None:
         return "-"
     return f"in {_age(value - now)}" if value > now else f"{_age(now - value)} ago"
 
 
-def _utc(stamp: Any) -> str:
+def _finite(stamp: Any) -> float | None:
+    """payload.seconds, or None for NaN and infinities: a payload's JSON may hold NaN, and a
+    sorted set's score may be inf, neither of which is a time."""
     value = payload.seconds(stamp)
-    return "" if value is None else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(value))
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _utc(stamp: Any) -> str:
+    value = _finite(stamp)
+    if value is None:
+        return ""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(value))
+    except (OverflowError, OSError, ValueError):  # a year the platform's time_t cannot hold
+        return ""
 
 
 def _short(value: Any, limit: int = 120) -> str:
     """One line of a job's args or error for a table cell; the whole payload is a click away."""
-    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    text = views.visible(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
@@ -82,7 +94,8 @@ class Dashboard:
         self.env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
                                       autoescape=True, undefined=jinja2.StrictUndefined,
                                       trim_blocks=True, lstrip_blocks=True)
-        self.env.filters.update(age=_age, short=_short, utc=_utc, job_json=views.job_json)
+        self.env.filters.update(age=_age, short=_short, utc=_utc, visible=views.visible,
+                                job_json=views.job_json)
         self.env.globals.update(when=_when, label=views.label)
         self.routes: dict[tuple[str, str], Callable[[Request], Response]] = {
             ("GET", "/"): lambda r: views.overview(self, r),

@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import json
 import math
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -171,7 +172,32 @@ def search(dash: "Dashboard", req: Request) -> Response:
                        actions=SET_ACTIONS, key=entry_key, now=time.time(), limit=SEARCH_LIMIT)
 
 
+# What a browser draws as nothing, or lets reorder the text around it: C0 and C1 controls
+# (ANSI colours in an error message), DEL, zero-width and bidi controls, lone surrogates.
+# Tab, newline and carriage return are only whitespace to HTML.
+_INVISIBLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e"
+                        "\u2060-\u2069\ufeff\ud800-\udfff]")
+
+
+def visible(value: Any) -> str:
+    """Payload text with each such character written out as \\uXXXX: the page shows what
+    the string holds, not a blank or a reversed line. A value that should have been a string
+    (a queue name that is a number) is shown as JSON."""
+    text = value if isinstance(value, str) else as_json(value) or "(nested too deeply)"
+    return _INVISIBLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def as_json(value: Any, indent: int | None = None, sort_keys: bool = False) -> str | None:
+    """JSON for display, or None when the value is nested too deeply to encode again (the
+    parser allows about 1,000 levels; the indenting encoder recurses in Python and may not)."""
+    try:
+        return json.dumps(value, indent=indent, sort_keys=sort_keys, ensure_ascii=False,
+                          default=str)
+    except RecursionError:
+        return None
+
+
 def job_json(job: dict[str, Any] | None, raw: bytes = b"") -> str:
-    if job is None:
-        return raw.decode("utf-8", "replace")
-    return json.dumps(job, indent=2, sort_keys=True, ensure_ascii=False, default=str)
+    """A payload pretty-printed, or its bytes as stored when that cannot be done."""
+    text = as_json(job, indent=2, sort_keys=True) if job is not None else None
+    return visible(text if text is not None else raw.decode("utf-8", "replace"))

@@ -86,7 +86,8 @@ class Response:
 
     @classmethod
     def html(cls, text: str, status: str = "200 OK") -> "Response":
-        return cls(text.encode("utf-8"), status)
+        # a lone surrogate (JSON lets "\ud800" in) has no UTF-8: show it as the text \ud800
+        return cls(text.encode("utf-8", "backslashreplace"), status)
 
     @classmethod
     def json(cls, data: Any) -> "Response":
