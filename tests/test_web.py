@@ -9,18 +9,21 @@ auth and the bind rule hold, hostile payload text comes back escaped, and a pref
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import sys
 import time
+import zlib
 from urllib.parse import quote
 
 import pytest
 
 import forkq
+from corekit import workers  # noqa: F401  (a fixture)
 from helpers import wait_until
 from test_ctl import start_master  # noqa: F401  (a fixture)
-from webkit import Client, WebServer, run_forkq
+from webkit import Client, WebServer, ruby_backtrace, run_forkq
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +186,130 @@ def test_search_finds_by_jid_and_by_class_across_sets(browser, r, redis_url):
     by_class = browser.get("/search?q=Other")
     assert sorted(jids_on(by_class)) == sorted([dead_job(100)["jid"], dead_job(200)["jid"]])
     assert jids_on(browser.get("/search?q=NoSuchThing")) == []
+
+
+# -- one job's page -------------------------------------------------------------------
+
+
+def job_link(page, slug: str) -> str:
+    """The first entry's link on a set page, as a path for Client.get."""
+    found = re.search(rf'<a href="(/{slug}/[^"]+)" class="job">', page.text)
+    assert found, f"no job link on the {slug} page:\n{page.text[:3000]}"
+    return found.group(1)
+
+
+BACKTRACE = ["app/jobs/hard_job.rb:12:in `perform'", "sidekiq/processor.rb:196:in `execute_job'"]
+
+
+@pytest.mark.timeout(30)
+def test_each_set_links_every_entry_to_a_page_with_every_field_and_the_backtrace(browser, r, redis_url):
+    job = dead_job(1, queue="mail", args=[1, "two", {"three": 3}], error_message="line one\nline two",
+                   error_backtrace=ruby_backtrace(BACKTRACE), retried_at=1700000050.0,
+                   bid="b-123", tags=["vip"], backtrace=True)
+    for key in ("dead", "retry", "schedule"):
+        fill(r, key, [job], base=1800000000.0)
+    buttons = {"dead": ["Retry", "Delete"], "retries": ["Retry", "Delete", "Kill"],
+               "scheduled": ["Run now", "Delete", "Kill"]}
+    scores = {"dead": "Died", "retries": "Next retry", "scheduled": "Scheduled for"}
+    for slug in ("dead", "retries", "scheduled"):
+        page = browser.get(job_link(browser.get(f"/{slug}"), slug))
+        assert page.status == 200
+        text = page.text
+        assert "<h1>HardJob <small>" in text
+        assert "<tr><th>Queue</th><td>mail</td></tr>" in text
+        assert "<code>1</code><code>&#34;two&#34;</code><code>{&#34;three&#34;: 3}</code>" in text
+        assert f"<code>{job['jid']}</code>" in text
+        assert "<tr><th>Created</th><td>2023-11-14 22:13:20 UTC <small>(" in text
+        assert "<tr><th>Enqueued</th><td>2023-11-14 22:13:20 UTC" in text
+        assert "<tr><th>Failed</th><td>2023-11-14 22:13:21 UTC" in text
+        assert "<tr><th>Retried</th><td>2023-11-14 22:14:10 UTC" in text
+        assert f"<tr><th>{scores[slug]}</th><td>2027-01-15 08:00:00 UTC" in text
+        assert "<tr><th>Retry count</th><td>3</td></tr>" in text
+        for extra in ("<tr><th>bid</th><td><code>&#34;b-123&#34;</code>",
+                      "<tr><th>tags</th><td><code>[&#34;vip&#34;]</code>",
+                      "<tr><th>retry</th><td><code>true</code>"):
+            assert extra in text
+        assert "<tr><th>Class</th><td>RuntimeError</td></tr>" in text
+        assert '<pre class="message">line one\nline two</pre>' in text
+        assert ('<pre class="backtrace">app/jobs/hard_job.rb:12:in `perform&#39;\n'
+                "sidekiq/processor.rb:196:in `execute_job&#39;\n</pre>") in text
+        assert re.findall(r'<button name="do" value="[a-z]+\|[^"]+"[^>]*>([^<]+)</button>', text) == buttons[slug]
+        assert '<a href="/' + slug + '" class="current">' in text
+
+
+@pytest.mark.timeout(60)
+def test_a_job_page_shows_the_backtrace_a_real_forkq_worker_stored(browser, r, redis_url, workers):
+    workers()
+    jid = forkq.Client(redis_url).push("tests.apps.core_jobs.fail_backtrace", ["page"], retry=0,
+                                       backtrace=True)
+    wait_until(lambda: r.zcard("dead") == 1, timeout=15, message="the job in the dead set")
+    page = browser.get(job_link(browser.get("/dead"), "dead"))
+    assert f"<code>{jid}</code>" in page.text
+    stored = re.search(r'<pre class="backtrace">(.*?)</pre>', page.text, re.S).group(1)
+    assert "in _deep_raise" in stored and "KeyError: &#39;deep page&#39;" in stored
+
+
+@pytest.mark.timeout(30)
+def test_a_job_page_acts_through_the_list_endpoint_and_a_gone_job_is_a_404(browser, r, redis_url):
+    fill(r, "dead", [dead_job(1)])
+    fill(r, "retry", [dead_job(2)])
+    link = job_link(browser.get("/dead"), "dead")
+    page = browser.get(link)
+    retry = re.search(r'name="do" value="(retry\|[^"]+)"', page.text).group(1)
+    assert browser.post("/dead/action", {"do": retry}, csrf="").status == 403  # the guard holds
+    assert r.zcard("dead") == 1
+    resp = browser.post("/dead/action", {"do": retry, "back": "/dead"}, csrf=page.csrf)
+    assert resp.status == 303 and resp.headers["Location"] == "/dead"
+    assert r.zcard("dead") == 0 and json.loads(r.lindex("queue:default", 0))["jid"] == dead_job(1)["jid"]
+    gone = browser.get(link)
+    assert gone.status == 404
+    assert "This job is not in Dead any more" in gone.text and '<a href="/dead">' in gone.text
+    retry_key = job_link(browser.get("/retries"), "retries").removeprefix("/retries/")
+    for path in ("/dead/garbage", "/dead/nan~abc", "/dead/inf~abc", "/retries/1e999~ab",
+                 "/dead/" + retry_key,  # a real key, of another set
+                 "/dead/" + quote("<script>x</script>")):
+        page = browser.get(path)
+        assert page.status == 404 and "not in " in page.text and "Traceback" not in page.text, path
+        assert "<script>x" not in page.text
+    assert browser.get("/retries/" + retry_key).status == 200
+    assert browser.post("/retries/" + retry_key, {}).status == 405
+    assert browser.get("/dead/action").status == 405  # still the list's endpoint, not a job key
+
+
+@pytest.mark.timeout(30)
+def test_a_job_page_escapes_hostile_fields_and_caps_huge_ones(browser, r, redis_url):
+    hostile = dead_job(1, klass=HOSTILE, queue=HOSTILE, args=[HOSTILE, "\x1b[1mbold"],
+                       error_class=HOSTILE, error_message=HOSTILE, jid=HOSTILE,
+                       error_backtrace=ruby_backtrace([HOSTILE, "\u202eevil"]),
+                       **{HOSTILE: HOSTILE}, failed_at=float("nan"), created_at="yesterday")
+    huge = dead_job(2, args=["x" * 1_000_000] + list(range(5_000)), error_message="y" * 500_000)
+    bomb = dead_job(3, error_backtrace=base64.b64encode(zlib.compress(b"[" * (64 << 20))).decode())
+    broken = dead_job(4, error_backtrace="not base64 or zlib")
+    fill(r, "dead", [hostile, huge, bomb, broken])
+    r.zadd("dead", {b"\xff<script>not json": time.time()})
+    pages = [browser.get(f"/dead/{key}") for key in
+             re.findall(r'<a href="/dead/([^"]+)" class="job">', browser.get("/dead").text)]
+    assert [p.status for p in pages] == [200] * 5
+    for page in pages:
+        assert "<script>alert" not in page.text and "<img src=x" not in page.text
+        assert "<script>not" not in page.text and "\x1b" not in page.text and "\u202e" not in page.text
+        assert len(page.text) < 400_000
+    unparseable, broken_page, bomb_page, huge_page, hostile_page = pages  # newest first
+    assert '<span class="tag bad">unparseable</span>' in unparseable.text
+    assert "&lt;script&gt;not json" in unparseable.text
+    text = hostile_page.text
+    assert f"<th>{HOSTILE}</th>" not in text and "<th>&lt;script&gt;alert(&#34;x&#34;)" in text
+    assert "<code>&#34;\\u001b[1mbold&#34;</code>" in text  # the argument's escape as written
+    assert "\\u202eevil" in text  # the bidi override written out, not obeyed
+    assert '<pre class="backtrace">&lt;script&gt;' in text
+    assert "<tr><th>Failed</th><td><code>NaN</code>" in text
+    assert "<tr><th>Created</th><td><code>&#34;yesterday&#34;</code>" in text
+    text = huge_page.text
+    assert "(990,002 more characters)" in text  # the 1,000,000 x and their quotes, after 10,000
+    assert "… and 4,901 more arguments" in text
+    assert "(490,000 more characters)" in text  # the message
+    assert "The backtrace inflates to more than 1,048,576 bytes: not shown." in bomb_page.text
+    assert "The backtrace cannot be decoded" in broken_page.text
 
 
 # -- state changes: POST + CSRF -------------------------------------------------------

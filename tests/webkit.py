@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import zlib
 from http.cookies import SimpleCookie
 from urllib.parse import urlencode, urlsplit
 
@@ -141,6 +142,13 @@ class Client:
         if csrf:
             items.append(("csrf", csrf))
         return self.request("POST", path, body=urlencode(items).encode(), **kwargs)
+
+
+def ruby_backtrace(lines: list[str]) -> str:
+    """An `error_backtrace` as Sidekiq 6+ writes it: Base64.encode64 (a line break every 60
+    characters) of Zlib::Deflate.deflate of the JSON array."""
+    blob = base64.b64encode(zlib.compress(json.dumps(lines).encode())).decode()
+    return "".join(blob[i:i + 60] + "\n" for i in range(0, len(blob), 60))
 
 
 def run_forkq(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess:

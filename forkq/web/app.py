@@ -95,7 +95,7 @@ class Dashboard:
                                       autoescape=True, undefined=jinja2.StrictUndefined,
                                       trim_blocks=True, lstrip_blocks=True)
         self.env.filters.update(age=_age, short=_short, utc=_utc, visible=views.visible,
-                                job_json=views.job_json)
+                                job_json=views.job_json, shown=views.shown, plain=views.plain)
         self.env.globals.update(when=_when, label=views.label)
         self.routes: dict[tuple[str, str], Callable[[Request], Response]] = {
             ("GET", "/"): lambda r: views.overview(self, r),
@@ -108,9 +108,13 @@ class Dashboard:
             ("POST", "/login"): self.login,
             ("POST", "/logout"): self.logout,
         }
+        # paths that end in a parameter (a job's key): (method, prefix) -> view(request, rest)
+        self.param_routes: dict[tuple[str, str], Callable[[Request, str], Response]] = {}
         for slug in views.SETS:
             self.routes[("GET", f"/{slug}")] = lambda r, s=slug: views.set_page(self, r, s)
             self.routes[("POST", f"/{slug}/action")] = lambda r, s=slug: views.set_action(self, r, s)
+            self.param_routes[("GET", f"/{slug}/")] = \
+                lambda r, k, s=slug: views.job_page(self, r, s, k)
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -163,6 +167,8 @@ class Dashboard:
         if route is None:
             if any(p == path for _, p in self.routes):
                 return Response.text("method not allowed\n", "405 Method Not Allowed")
+            route = self.param_route(method, req.path)
+        if route is None:
             return self.render(req, "error.html", status="404 Not Found", message="no such page")
         if method == "POST" and not self.guard.csrf_ok(req.environ, req.field("csrf")):
             # nothing has been read from Redis or changed yet
@@ -170,6 +176,17 @@ class Dashboard:
                                message="this form is stale or came from another site: "
                                        "reload the page and try again")
         return route(req)
+
+    def param_route(self, method: str, path: str) -> Callable[[Request], Response] | None:
+        """The view for a path that ends in a parameter. The parameter is the rest of the
+        unstripped path: a queue name may hold a slash, or end in one."""
+        for (m, prefix), view in self.param_routes.items():
+            if path.startswith(prefix) and len(path) > len(prefix):
+                if m == method:
+                    return lambda r, rest=path[len(prefix):], view=view: view(r, rest)
+        if any(path.startswith(p) and len(path) > len(p) for _, p in self.param_routes):
+            return lambda r: Response.text("method not allowed\n", "405 Method Not Allowed")
+        return None
 
     def unauthorized(self, req: Request) -> Response:
         if self.guard.token and req.method == "GET" and not req.path.endswith(".json"):

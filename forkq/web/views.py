@@ -4,12 +4,15 @@ and forkq.control, so the dashboard shows and does exactly what `forkq stats`,
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import itertools
 import json
 import math
 import re
 import time
+import zlib
 from typing import TYPE_CHECKING, Any
 
 from .. import api, control, keys
@@ -147,6 +150,88 @@ def set_action(dash: "Dashboard", req: Request, slug: str) -> Response:
         done = method(chosen) if chosen else 0
     dash.flash(req, f"{action}: {done} job{'s' if done != 1 else ''}")
     return Response.redirect(dash.back(req, f"/{slug}"))
+
+
+# What a job's page shows of a hostile payload: enough to diagnose, never a page of
+# hundreds of megabytes. Whatever is cut says how much was left out.
+FIELD_LIMIT = 10_000        # characters of one field (an argument, a message, an extra key)
+ARGS_SHOWN = 100            # arguments listed one by one
+BACKTRACE_LINES = 500       # Sidekiq keeps every line unless the job's `backtrace` option caps it
+BACKTRACE_BYTES = 1 << 20   # inflated size at most: a small zlib blob can inflate to gigabytes
+PAYLOAD_LIMIT = 200_000     # characters of the whole payload under "payload"
+
+# the fields a job's page shows in rows of their own (the rest are listed after them)
+TIMES = (("created_at", "Created"), ("enqueued_at", "Enqueued"), ("failed_at", "Failed"),
+         ("retried_at", "Retried"))
+SHOWN = {"class", "wrapped", "args", "jid", "queue", "retry_count", "error_class",
+         "error_message", "error_backtrace"} | {name for name, _ in TIMES}
+# what the score of each set's entries means
+SCORE_LABELS = {"retries": "Next retry", "scheduled": "Scheduled for", "dead": "Died"}
+
+
+def capped(text: str, limit: int = FIELD_LIMIT) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit:,} more characters)"
+
+
+def shown(value: Any, limit: int = FIELD_LIMIT) -> str:
+    """One payload field for a job's page as JSON (a string in quotes, so "1" and 1
+    differ), cut at `limit`, invisible characters written out."""
+    text = as_json(value)
+    return visible(capped(text if text is not None else "(nested too deeply to show)", limit))
+
+
+def plain(value: Any, limit: int = FIELD_LIMIT) -> str:
+    """As `shown`, but a string as itself: an error message, a class name."""
+    return visible(capped(value, limit)) if isinstance(value, str) else shown(value, limit)
+
+
+def backtrace(value: Any) -> tuple[list[str], str | None]:
+    """A job's `error_backtrace` as lines, and a sentence saying what kept it from being
+    shown whole. Sidekiq 6+ stores base64 (with Ruby's line breaks) of zlib-deflated JSON,
+    as payload.decode_backtrace reads it; older Sidekiqs stored the JSON array itself."""
+    if value is None:
+        return [], None
+    lines = value
+    if isinstance(value, str):
+        try:
+            text = zlib.decompressobj().decompress(base64.b64decode(value), BACKTRACE_BYTES)
+            if len(text) >= BACKTRACE_BYTES:  # inflating stopped there, with more to come
+                limit = f"{BACKTRACE_BYTES:,}"
+                return [], f"The backtrace inflates to more than {limit} bytes: not shown."
+            lines = json.loads(text)
+        except (binascii.Error, zlib.error, ValueError, RecursionError) as exc:
+            why = capped(f"{type(exc).__name__}: {exc}", 200)
+            return [], f"The backtrace cannot be decoded ({why})."
+    if not isinstance(lines, list):
+        return [], f"The backtrace is a JSON {type(lines).__name__}, not a list of lines."
+    out = [capped(line if isinstance(line, str) else as_json(line) or "?", 2_000)
+           for line in lines[:BACKTRACE_LINES]]
+    if len(lines) > BACKTRACE_LINES:
+        return out, f"… and {len(lines) - BACKTRACE_LINES:,} more lines, not shown."
+    return out, None
+
+
+def job_page(dash: "Dashboard", req: Request, slug: str, key: str) -> Response:
+    """One entry of a set, every field of it (Sidekiq's /retries/:key, /morgue/:key,
+    /scheduled/:key), with the list's buttons. `key` is the entry_key its row linked to."""
+    name, title, _ = SETS[slug]
+    entry = _lookup(api.SortedSet(dash.redis(), name), key)
+    if entry is None:
+        return dash.render(req, "error.html", status="404 Not Found", back=(f"/{slug}", title),
+                           message=f"This job is not in {title} any more: it has been "
+                                   "retried, deleted or moved since that link was made.")
+    job = entry.job or {}
+    lines, problem = backtrace(job.get("error_backtrace"))
+    args = job.get("args") if isinstance(job.get("args"), list) else []
+    return dash.render(req, "job.html", slug=slug, title=title, entry=entry, job=job, key=key,
+                       args=args[:ARGS_SHOWN], more_args=max(0, len(args) - ARGS_SHOWN),
+                       times=[(label_, job[f]) for f, label_ in TIMES if f in job],
+                       extras=sorted((k, v) for k, v in job.items() if k not in SHOWN),
+                       score_label=SCORE_LABELS[slug], backtrace=lines,
+                       backtrace_problem=problem, actions=SET_ACTIONS[slug], now=time.time(),
+                       payload_text=capped(job_json(entry.job, entry.raw), PAYLOAD_LIMIT))
 
 
 def search(dash: "Dashboard", req: Request) -> Response:
