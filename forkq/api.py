@@ -73,6 +73,46 @@ def queues(conn: redis.Redis) -> list[QueueInfo]:
             for i, name in enumerate(names)]
 
 
+class Queue:
+    """One queue's jobs, read a page at a time (LRANGE, never the whole list). Index 0 is
+    the job pushed last (clients LPUSH); the highest index is the next to run (workers pop
+    the right end). Its pages are Entry objects whose `score` is the entry's index."""
+
+    def __init__(self, conn: redis.Redis, name: str) -> None:
+        self.redis = conn
+        self.name = name
+        self.key = keys.queue(name)
+
+    def size(self) -> int:
+        return int(self.redis.llen(self.key))
+
+    def listed(self) -> bool:
+        """Whether the `queues` set names it (an empty queue is still a queue)."""
+        return bool(self.redis.sismember(keys.QUEUES, self.name))
+
+    def page(self, offset: int, count: int, next_first: bool = False) -> list[Entry]:
+        """`count` entries from `offset`, counted from the newest, or with next_first from
+        the next to run. LLEN and LRANGE in one transaction, so the indices agree."""
+        if count < 1:
+            return []
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.llen(self.key)
+        if next_first:
+            pipe.lrange(self.key, -offset - count, -offset - 1)
+        else:
+            pipe.lrange(self.key, offset, offset + count - 1)
+        size, rows = pipe.execute()
+        if not next_first:
+            return [Entry.of(raw, float(offset + i)) for i, raw in enumerate(rows)]
+        first = max(0, int(size) - offset - count)  # the index of rows[0]
+        return [Entry.of(raw, float(first + i)) for i, raw in reversed(list(enumerate(rows)))]
+
+    def delete(self, raw: bytes) -> int:
+        """Remove one job: the first entry with exactly these bytes (LREM 1). Equal bytes
+        are the same job pushed twice, so which copy goes does not matter."""
+        return int(self.redis.lrem(self.key, 1, raw))
+
+
 # -- processes and running jobs ---------------------------------------------------------
 
 
