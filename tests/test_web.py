@@ -290,6 +290,7 @@ def test_a_job_page_escapes_hostile_fields_and_caps_huge_ones(browser, r, redis_
     pages = [browser.get(f"/dead/{key}") for key in
              re.findall(r'<a href="/dead/([^"]+)" class="job">', browser.get("/dead").text)]
     assert [p.status for p in pages] == [200] * 5
+    assert len(browser.get("/dead").text) < 600_000  # the list's payloads are cut too
     for page in pages:
         assert "<script>alert" not in page.text and "<img src=x" not in page.text
         assert "<script>not" not in page.text and "\x1b" not in page.text and "\u202e" not in page.text

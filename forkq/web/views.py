@@ -230,8 +230,7 @@ def job_page(dash: "Dashboard", req: Request, slug: str, key: str) -> Response:
                        times=[(label_, job[f]) for f, label_ in TIMES if f in job],
                        extras=sorted((k, v) for k, v in job.items() if k not in SHOWN),
                        score_label=SCORE_LABELS[slug], backtrace=lines,
-                       backtrace_problem=problem, actions=SET_ACTIONS[slug], now=time.time(),
-                       payload_text=capped(job_json(entry.job, entry.raw), PAYLOAD_LIMIT))
+                       backtrace_problem=problem, actions=SET_ACTIONS[slug], now=time.time())
 
 
 def search(dash: "Dashboard", req: Request) -> Response:
@@ -283,6 +282,8 @@ def as_json(value: Any, indent: int | None = None, sort_keys: bool = False) -> s
 
 
 def job_json(job: dict[str, Any] | None, raw: bytes = b"") -> str:
-    """A payload pretty-printed, or its bytes as stored when that cannot be done."""
+    """A payload pretty-printed, or its bytes as stored when that cannot be done; cut at
+    PAYLOAD_LIMIT characters."""
     text = as_json(job, indent=2, sort_keys=True) if job is not None else None
-    return visible(text if text is not None else raw.decode("utf-8", "replace"))
+    return visible(capped(text if text is not None else raw.decode("utf-8", "replace"),
+                          PAYLOAD_LIMIT))
