@@ -85,8 +85,8 @@ def test_overview_shows_queues_totals_and_stats_json(browser, r, redis_url):
     fill(r, "dead", [dead_job(1)])
     page = browser.get("/")
     assert page.status == 200
-    assert re.search(r"<td>mail</td><td class=\"num\">3</td>", page.text), page.text
-    assert re.search(r"<td>images</td><td class=\"num\">1</td>", page.text)
+    assert re.search(r"<td><a href=\"/queues/mail\">mail</a></td><td class=\"num\">3</td>", page.text), page.text
+    assert re.search(r"<td><a href=\"/queues/images\">images</a></td><td class=\"num\">1</td>", page.text)
     assert 'data-stat="processed">1,234<' in page.text
     assert 'id="rate-chart"' in page.text
     stats = browser.get("/stats.json").json()
@@ -98,7 +98,7 @@ def test_overview_shows_queues_totals_and_stats_json(browser, r, redis_url):
 def test_pages_show_jobs_ruby_sidekiq_pushed(sidekiq_ruby, browser, redis_url, r):
     jid = sidekiq_ruby.push(redis_url, "InteropJob", [1, "two"], queue="rubyq")
     later = sidekiq_ruby.push(redis_url, "InteropJob", [3], queue="rubyq", at=time.time() + 3600)
-    assert re.search(r"<td>rubyq</td><td class=\"num\">1</td>", browser.get("/").text)
+    assert re.search(r"<td><a href=\"/queues/rubyq\">rubyq</a></td><td class=\"num\">1</td>", browser.get("/").text)
     scheduled = browser.get("/scheduled")
     assert jids_on(scheduled) == [later]
     assert "InteropJob" in scheduled.text and "rubyq" in scheduled.text
@@ -216,7 +216,7 @@ def test_each_set_links_every_entry_to_a_page_with_every_field_and_the_backtrace
         assert page.status == 200
         text = page.text
         assert "<h1>HardJob <small>" in text
-        assert "<tr><th>Queue</th><td>mail</td></tr>" in text
+        assert '<tr><th>Queue</th><td><a href="/queues/mail">mail</a></td></tr>' in text
         assert "<code>1</code><code>&#34;two&#34;</code><code>{&#34;three&#34;: 3}</code>" in text
         assert f"<code>{job['jid']}</code>" in text
         assert "<tr><th>Created</th><td>2023-11-14 22:13:20 UTC <small>(" in text
@@ -311,6 +311,80 @@ def test_a_job_page_escapes_hostile_fields_and_caps_huge_ones(browser, r, redis_
     assert "(490,000 more characters)" in text  # the message
     assert "The backtrace inflates to more than 1,048,576 bytes: not shown." in bomb_page.text
     assert "The backtrace cannot be decoded" in broken_page.text
+
+
+# -- a queue's jobs ---------------------------------------------------------------------
+
+
+def slowlog_lranges(r) -> list[tuple[int, int]]:
+    """The (start, stop) of every LRANGE the slow log saw (it logs every command while
+    slowlog-log-slower-than is 0)."""
+    return [(int(e["command"].split()[2]), int(e["command"].split()[3]))
+            for e in r.slowlog_get(1000) if e["command"].startswith(b"LRANGE")]
+
+
+@pytest.mark.timeout(30)
+def test_a_queue_page_pages_through_its_jobs_and_never_reads_the_whole_list(browser, r, redis_url):
+    c = forkq.Client(redis_url)
+    jids = [c.push("app.Mail", [i], queue="mail") for i in range(60)]
+    c.push("app.Other", [1], queue="other")
+    r.sadd("queues", "idle")  # a queue with nothing in it now
+    listing = browser.get("/queues")
+    assert re.search(r'<td><a href="/queues/mail">mail</a></td><td class="num">60</td>', listing.text)
+    assert '<a href="/queues/idle">idle</a>' in listing.text
+    assert '<a href="/queues" class="current">Queues</a>' in listing.text
+    r.config_set("slowlog-log-slower-than", 0)
+    try:
+        r.slowlog_reset()
+        newest = [jids_on(browser.get(f"/queues/mail?page={n}")) for n in (1, 2, 3)]
+        oldest = [jids_on(browser.get(f"/queues/mail?direction=asc&page={n}")) for n in (1, 2, 3)]
+        ranges = slowlog_lranges(r)
+    finally:
+        r.config_set("slowlog-log-slower-than", 10000)
+    assert [len(p) for p in newest] == [25, 25, 10]
+    assert sum(newest, []) == jids[::-1]  # as Sidekiq shows a queue: the last pushed first
+    assert sum(oldest, []) == jids  # the next to run first
+    assert len(ranges) == 6 and all(stop - start == 24 for start, stop in ranges), ranges
+    page = browser.get("/queues/mail?direction=asc&page=2")
+    assert "page 2 of 3" in page.text
+    assert 'href="/queues/mail?direction=asc&amp;page=3" rel="next"' in page.text
+    assert jids_on(browser.get("/queues/mail?page=99")) == jids[9::-1]  # past the end: the last page
+    assert "This queue is empty." in browser.get("/queues/idle").text
+    missing = browser.get("/queues/nosuch")
+    assert missing.status == 404 and "There is no queue named nosuch." in missing.text
+    # every list that names a queue links to it
+    fill(r, "dead", [dead_job(1, queue="mail")])
+    assert '<td><a href="/queues/mail">mail</a></td>' in browser.get("/dead").text
+    assert '<a href="/queues/other">other</a>' in browser.get("/").text
+
+
+@pytest.mark.timeout(30)
+def test_deleting_a_queued_job_removes_exactly_that_job_even_after_the_queue_moved(browser, r, redis_url):
+    c = forkq.Client(redis_url)
+    name = "odd name/with%?#"
+    jids = [c.push("app.Mail", [i], queue=name) for i in range(5)]
+    path = "/queues/" + quote(name)
+    page = browser.get(path + "?page=1")
+    assert jids_on(page) == jids[::-1]
+    target = jids[2]
+    row = page.text[page.text.index(f'<tr data-jid="{target}">'):]
+    button = re.search(r'name="do" value="(delete\|[^"]+)"', row).group(1)
+    back = re.search(r'name="back" value="([^"]+)"', page.text).group(1)
+    assert browser.post(path, {"do": button}, csrf="").status == 403
+    assert r.llen("queue:" + name) == 5
+    more = [c.push("app.Mail", [i], queue=name) for i in range(5, 25)]  # its index moves on
+    r.rpop("queue:" + name)  # and a worker takes the oldest
+    resp = browser.post(path, {"do": button, "back": back}, csrf=page.csrf)
+    assert resp.status == 303 and resp.headers["Location"] == path + "?page=1"
+    left = [json.loads(raw)["jid"] for raw in r.lrange("queue:" + name, 0, -1)]
+    assert left == [j for j in (jids + more)[::-1] if j not in (target, jids[0])]
+    assert "delete: 1 job" in browser.get(path).text
+    assert browser.post(path, {"do": button}, csrf=page.csrf).status == 303  # gone: nothing more
+    assert r.llen("queue:" + name) == 23
+    assert "delete: 0 jobs" in browser.get(path).text
+    assert browser.post(path, {"do": "delete|garbage"}, csrf=page.csrf).status == 303
+    assert browser.post(path, {"do": "explode|0~ab"}, csrf=page.csrf).status == 400
+    assert r.llen("queue:" + name) == 23
 
 
 # -- state changes: POST + CSRF -------------------------------------------------------
@@ -421,7 +495,9 @@ def test_hostile_payload_text_is_escaped_everywhere(browser, r, redis_url):
     fill(r, "retry", [job])
     r.zadd("schedule", {b"\xff<script>not json": 1})
     r.sadd("queues", HOSTILE)
-    pages = [browser.get(p) for p in ("/", "/dead", "/retries", "/scheduled", "/search?q=" + quote(HOSTILE))]
+    r.lpush("queue:" + HOSTILE, json.dumps(job), b"\xff<script>not json")
+    pages = [browser.get(p) for p in ("/", "/dead", "/retries", "/scheduled", "/search?q=" + quote(HOSTILE),
+                                      "/queues", "/queues/" + quote(HOSTILE))]
     for page in pages:
         assert page.status == 200
         assert "<script>alert" not in page.text and "<img src=x" not in page.text
@@ -567,6 +643,7 @@ def _links(text: str) -> list[str]:
 @pytest.mark.timeout(40)
 def test_url_prefix_puts_the_prefix_on_every_link_and_form(redis_url, r):
     fill(r, "dead", [dead_job(i) for i in range(30)])
+    forkq.Client(redis_url).push("app.Mail", [1])
     with WebServer(redis_url, "--url-prefix", "/ops/forkq", prefix="/ops/forkq") as web:
         browser = Client(web.base)
         page = browser.get("/dead")
@@ -575,6 +652,11 @@ def test_url_prefix_puts_the_prefix_on_every_link_and_form(redis_url, r):
         assert links and all(link.startswith("/ops/forkq/") for link in links), links
         assert "/ops/forkq/dead?page=2" in links
         assert "Path=/ops/forkq/" in page.headers["Set-Cookie"]
+        for other in (browser.get(job_link(page, "ops/forkq/dead").removeprefix("/ops/forkq")),
+                      browser.get("/queues"), browser.get("/queues/default")):
+            assert other.status == 200
+            links = _links(other.text)
+            assert links and all(link.startswith("/ops/forkq/") for link in links), links
         resp = browser.post("/dead/action", {"bulk": "retry-all", "back": "/dead?page=2"}, csrf=page.csrf)
         assert resp.status == 303 and resp.headers["Location"] == "/ops/forkq/dead?page=2"
         assert r.zcard("dead") == 0

@@ -104,12 +104,17 @@ class Dashboard:
             ("POST", "/processes/signal"): lambda r: views.signal(self, r),
             ("GET", "/busy"): lambda r: views.busy(self, r),
             ("GET", "/search"): lambda r: views.search(self, r),
+            ("GET", "/queues"): lambda r: views.queues_page(self, r),
             ("GET", "/login"): self.login_page,
             ("POST", "/login"): self.login,
             ("POST", "/logout"): self.logout,
         }
-        # paths that end in a parameter (a job's key): (method, prefix) -> view(request, rest)
-        self.param_routes: dict[tuple[str, str], Callable[[Request, str], Response]] = {}
+        # paths that end in a parameter (a job's key, a queue's name):
+        # (method, prefix) -> view(request, rest of the path)
+        self.param_routes: dict[tuple[str, str], Callable[[Request, str], Response]] = {
+            ("GET", "/queues/"): lambda r, name: views.queue_page(self, r, name),
+            ("POST", "/queues/"): lambda r, name: views.queue_action(self, r, name),
+        }
         for slug in views.SETS:
             self.routes[("GET", f"/{slug}")] = lambda r, s=slug: views.set_page(self, r, s)
             self.routes[("POST", f"/{slug}/action")] = lambda r, s=slug: views.set_action(self, r, s)

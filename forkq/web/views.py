@@ -14,6 +14,7 @@ import re
 import time
 import zlib
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from .. import api, control, keys
 from .wsgi import BadRequest, Request, Response
@@ -89,10 +90,14 @@ def busy(dash: "Dashboard", req: Request) -> Response:
     return dash.render(req, "busy.html", jobs=api.running(dash.redis()), now=time.time())
 
 
+def _digest(raw: bytes) -> str:
+    return hashlib.sha1(raw).hexdigest()[:20]
+
+
 def entry_key(entry: api.Entry) -> str:
     """Names one member for a button: its exact score (found by ZRANGEBYSCORE, no scan) and
     a digest of its bytes (the member itself may be huge, and jids may repeat)."""
-    return f"{entry.score!r}~{hashlib.sha1(entry.raw).hexdigest()[:20]}"
+    return f"{entry.score!r}~{_digest(entry.raw)}"
 
 
 def _lookup(zset: api.SortedSet, key: str) -> api.Entry | None:
@@ -104,9 +109,65 @@ def _lookup(zset: api.SortedSet, key: str) -> api.Entry | None:
     if not math.isfinite(score) or not digest:
         return None
     for raw, s in zset.redis.zrangebyscore(zset.name, score, score, withscores=True):
-        if hashlib.sha1(raw).hexdigest()[:20] == digest:
+        if _digest(raw) == digest:
             return api.Entry.of(raw, s)
     return None
+
+
+def queued_key(entry: api.Entry) -> str:
+    """Names one queued job for its Delete button: its index when the page was read and a
+    digest of its bytes (the list shifts as jobs are pushed and run, so the index alone
+    would name another job a moment later)."""
+    return f"{int(entry.score)}~{_digest(entry.raw)}"
+
+
+# how far past its old index a queued job is looked for: a job's index from the left
+# grows by one with every job pushed after the page was read
+QUEUE_SLACK_BEFORE, QUEUE_SLACK_AFTER = 100, 1_000
+
+
+def _lookup_queued(queue: api.Queue, key: str) -> api.Entry | None:
+    index_text, _, digest = key.partition("~")
+    if not index_text.isdigit() or not digest:
+        return None
+    start = max(0, int(index_text) - QUEUE_SLACK_BEFORE)
+    for entry in queue.page(start, int(index_text) - start + QUEUE_SLACK_AFTER):
+        if _digest(entry.raw) == digest:
+            return entry
+    return None
+
+
+def queues_page(dash: "Dashboard", req: Request) -> Response:
+    return dash.render(req, "queues.html", queues=api.queues(dash.redis()))
+
+
+def queue_page(dash: "Dashboard", req: Request, name: str) -> Response:
+    """One queue's jobs in pages, newest first as Sidekiq shows them, or with
+    ?direction=asc the next to run first."""
+    queue = api.Queue(dash.redis(), name)
+    total = queue.size()
+    if not total and not queue.listed():
+        return dash.render(req, "error.html", status="404 Not Found", back=("/queues", "Queues"),
+                           message=f"There is no queue named {visible(capped(name, 200))}.")
+    pages = max(1, math.ceil(total / dash.page_size))
+    page = min(req.int_arg("page"), pages)
+    next_first = req.arg("direction") == "asc"
+    entries = queue.page((page - 1) * dash.page_size, dash.page_size, next_first)
+    return dash.render(req, "queue.html", name=name, entries=entries, total=total, page=page,
+                       pages=pages, next_first=next_first, key=queued_key, now=time.time())
+
+
+def queue_action(dash: "Dashboard", req: Request, name: str) -> Response:
+    """The Delete button of one queued job: do=delete|KEY. It removes exactly the bytes it
+    finds under KEY; a job that has run (or moved too far) meanwhile is not found."""
+    action, _, key = req.field("do").partition("|")
+    if action != "delete":
+        raise BadRequest(f"unknown action {action!r} for a queue")
+    queue = api.Queue(dash.redis(), name)
+    entry = _lookup_queued(queue, key)
+    done = queue.delete(entry.raw) if entry is not None else 0
+    dash.flash(req, f"delete: {done} job{'s' if done != 1 else ''}")
+    return Response.redirect(dash.back(req, "/queues/" + quote(name)))
 
 
 def set_page(dash: "Dashboard", req: Request, slug: str) -> Response:

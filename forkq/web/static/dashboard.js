@@ -43,12 +43,19 @@ document.addEventListener("DOMContentLoaded", function () {
   function showQueues(queues) {
     var body = document.getElementById("queue-rows");
     if (!body) return;
+    var root = document.body.getAttribute("data-root");
     var rows = queues.map(function (q) {
       var tr = document.createElement("tr");
       [q.name, q.size.toLocaleString(), age(q.latency)].forEach(function (text, i) {
         var td = document.createElement("td");
         if (i > 0) td.className = "num";
-        td.textContent = text;
+        var cell = td;
+        if (i === 0) {  // the name links to the queue's page, as the server-drawn table does
+          cell = document.createElement("a");
+          cell.href = root + "/queues/" + encodeURIComponent(q.name).replace(/%2F/g, "/");
+          td.appendChild(cell);
+        }
+        cell.textContent = text;
         tr.appendChild(td);
       });
       return tr;
