@@ -17,7 +17,7 @@ import pytest
 
 from helpers import wait_until
 from test_ctl import start_master  # noqa: F401  (a fixture)
-from webkit import WebServer
+from webkit import WebServer, ruby_backtrace
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -128,6 +128,77 @@ def test_clicking_retry_on_the_dead_page_moves_the_job(chrome, web, r):
     assert json.loads(r.lindex("queue:mail", 0))["jid"] == "b" * 24
     wait_until(lambda: "retry: 1 job" in chrome.page_source, timeout=10, message="the flash message")
     assert chrome.current_url.rstrip("/").endswith("/dead")
+
+
+BACKTRACE = ["app/jobs/hard_job.rb:12:in `perform'", "<script>alert(1)</script>",
+             "sidekiq/processor.rb:196:in `execute_job'"]
+
+
+def dead_entry(r, jid: str) -> None:
+    job = {"class": "HardJob", "args": [1, "<b>two</b>"], "jid": jid, "queue": "mail", "retry": True,
+           "error_class": "RuntimeError", "error_message": "boom", "retry_count": 25,
+           "failed_at": time.time() - 60, "enqueued_at": time.time() - 120,
+           "backtrace": True, "error_backtrace": ruby_backtrace(BACKTRACE)}
+    r.zadd("dead", {json.dumps(job): time.time() - 60})
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_jobs_page_shows_its_decoded_backtrace_and_retries_it(chrome, web, r):
+    from selenium.webdriver.common.by import By
+    dead_entry(r, "c" * 24)
+    chrome.get(web.base + "/dead")
+    chrome.find_element(By.CSS_SELECTOR, f'tr[data-jid="{"c" * 24}"] a.job').click()
+    wait_until(lambda: "/dead/" in chrome.current_url, timeout=10, message="the job's page")
+    assert chrome.find_element(By.TAG_NAME, "h1").text == "HardJob in Dead"
+    assert chrome.find_element(By.CSS_SELECTOR, "pre.backtrace").text == "\n".join(BACKTRACE)
+    assert chrome.find_elements(By.CSS_SELECTOR, "pre.backtrace script") == []
+    cells = {row.find_element(By.TAG_NAME, "th").text: row.find_element(By.TAG_NAME, "td").text
+             for row in chrome.find_elements(By.CSS_SELECTOR, "table.job tr")}
+    assert cells["JID"] == "c" * 24 and cells["Queue"] == "mail" and cells["Retry count"] == "25"
+    assert cells["Arguments"].split("\n") == ["1", '"<b>two</b>"']
+    assert cells["Message"] == "boom" and cells["backtrace"] == "true"
+    assert console_errors(chrome) == []
+    chrome.find_element(By.CSS_SELECTOR, 'form.job-actions button[value^="retry|"]').click()
+    wait_until(lambda: "retry: 1 job" in chrome.page_source, timeout=10, message="the flash message")
+    assert chrome.current_url.rstrip("/").endswith("/dead")
+    assert r.zcard("dead") == 0 and json.loads(r.lindex("queue:mail", 0))["jid"] == "c" * 24
+
+
+@pytest.mark.timeout(60)
+def test_a_job_page_whose_job_has_gone_is_a_404_that_leads_back(chrome, web, r):
+    from selenium.webdriver.common.by import By
+    dead_entry(r, "d" * 24)
+    chrome.get(web.base + "/dead")
+    chrome.find_element(By.CSS_SELECTOR, "a.job").click()
+    wait_until(lambda: "/dead/" in chrome.current_url, timeout=10, message="the job's page")
+    r.delete("dead")  # another operator deleted it meanwhile
+    chrome.refresh()
+    assert chrome.find_element(By.TAG_NAME, "h1").text == "404 Not Found"
+    assert "This job is not in Dead any more" in chrome.find_element(By.CSS_SELECTOR, "p.error").text
+    chrome.find_element(By.LINK_TEXT, "‹ back to Dead").click()
+    wait_until(lambda: "No dead jobs." in chrome.page_source, timeout=10, message="the dead list")
+
+
+@pytest.mark.timeout(60)
+def test_the_live_queue_table_links_to_a_queue_page_that_deletes_a_job(chrome, web, r, redis_url):
+    from selenium.webdriver.common.by import By
+    import forkq
+    chrome.get(web.base + "/")
+    name = "<b>odd</b>/name"
+    c = forkq.Client(redis_url)
+    keep, drop = c.push("Keep", [1], queue=name), c.push("Drop", [2], queue=name)
+    # the row the page's script drew from stats.json, not the one the server drew
+    wait_until(lambda: chrome.find_elements(By.CSS_SELECTOR, "#queue-rows a"), timeout=15,
+               interval=0.2, message="the new queue's link in the live table")
+    chrome.find_element(By.CSS_SELECTOR, "#queue-rows a").click()
+    wait_until(lambda: "/queues/" in chrome.current_url, timeout=10, message="the queue's page")
+    assert chrome.find_element(By.TAG_NAME, "h1").text == f"Queue {name} 2 jobs"
+    assert [row.get_attribute("data-jid") for row in chrome.find_elements(By.CSS_SELECTOR, "tr[data-jid]")] == [drop, keep]
+    chrome.find_element(By.CSS_SELECTOR, f'tr[data-jid="{drop}"] button[value^="delete|"]').click()
+    wait_until(lambda: "delete: 1 job" in chrome.page_source, timeout=10, message="the flash message")
+    assert [json.loads(raw)["jid"] for raw in r.lrange(f"queue:{name}", 0, -1)] == [keep]
+    assert chrome.find_element(By.TAG_NAME, "h1").text == f"Queue {name} 1 job"
+    assert console_errors(chrome) == []
 
 
 @pytest.mark.timeout(90)
