@@ -282,7 +282,8 @@ def test_a_job_page_escapes_hostile_fields_and_caps_huge_ones(browser, r, redis_
                        error_class=HOSTILE, error_message=HOSTILE, jid=HOSTILE,
                        error_backtrace=ruby_backtrace([HOSTILE, "\u202eevil"]),
                        **{HOSTILE: HOSTILE}, failed_at=float("nan"), created_at="yesterday")
-    huge = dead_job(2, args=["x" * 1_000_000] + list(range(5_000)), error_message="y" * 500_000)
+    huge = dead_job(2, args=["x" * 1_000_000] + list(range(5_000)), error_message="y" * 500_000,
+                    **{f"extra{i:05}": i for i in range(20_000)})
     bomb = dead_job(3, error_backtrace=base64.b64encode(zlib.compress(b"[" * (64 << 20))).decode())
     broken = dead_job(4, error_backtrace="not base64 or zlib")
     fill(r, "dead", [hostile, huge, bomb, broken])
@@ -309,6 +310,8 @@ def test_a_job_page_escapes_hostile_fields_and_caps_huge_ones(browser, r, redis_
     assert "(990,002 more characters)" in text  # the 1,000,000 x and their quotes, after 10,000
     assert "… and 4,901 more arguments" in text
     assert "(490,000 more characters)" in text  # the message
+    assert "<th>extra00199</th>" in text and "<th>extra00200</th>" not in text
+    assert "and 19,801 more fields" in text  # the 20,000, and `retry`, less the 200 shown
     assert "The backtrace inflates to more than 1,048,576 bytes: not shown." in bomb_page.text
     assert "The backtrace cannot be decoded" in broken_page.text
 

@@ -217,6 +217,7 @@ def set_action(dash: "Dashboard", req: Request, slug: str) -> Response:
 # hundreds of megabytes. Whatever is cut says how much was left out.
 FIELD_LIMIT = 10_000        # characters of one field (an argument, a message, an extra key)
 ARGS_SHOWN = 100            # arguments listed one by one
+EXTRAS_SHOWN = 200          # other fields, one row each
 BACKTRACE_LINES = 500       # Sidekiq keeps every line unless the job's `backtrace` option caps it
 BACKTRACE_BYTES = 1 << 20   # inflated size at most: a small zlib blob can inflate to gigabytes
 PAYLOAD_LIMIT = 200_000     # characters of the whole payload under "payload"
@@ -286,10 +287,11 @@ def job_page(dash: "Dashboard", req: Request, slug: str, key: str) -> Response:
     job = entry.job or {}
     lines, problem = backtrace(job.get("error_backtrace"))
     args = job.get("args") if isinstance(job.get("args"), list) else []
+    extras = sorted((k, v) for k, v in job.items() if k not in SHOWN)
     return dash.render(req, "job.html", slug=slug, title=title, entry=entry, job=job, key=key,
                        args=args[:ARGS_SHOWN], more_args=max(0, len(args) - ARGS_SHOWN),
                        times=[(label_, job[f]) for f, label_ in TIMES if f in job],
-                       extras=sorted((k, v) for k, v in job.items() if k not in SHOWN),
+                       extras=extras[:EXTRAS_SHOWN], more_extras=max(0, len(extras) - EXTRAS_SHOWN),
                        score_label=SCORE_LABELS[slug], backtrace=lines,
                        backtrace_problem=problem, actions=SET_ACTIONS[slug], now=time.time())
 
