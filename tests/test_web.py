@@ -385,7 +385,8 @@ def test_deleting_a_queued_job_removes_exactly_that_job_even_after_the_queue_mov
     assert browser.post(path, {"do": button}, csrf=page.csrf).status == 303  # gone: nothing more
     assert r.llen("queue:" + name) == 23
     assert "delete: 0 jobs" in browser.get(path).text
-    assert browser.post(path, {"do": "delete|garbage"}, csrf=page.csrf).status == 303
+    for bad in ("garbage", "²~ab", "9" * 40 + "~ab", "-1~ab"):
+        assert browser.post(path, {"do": f"delete|{bad}"}, csrf=page.csrf).status == 303, bad
     assert browser.post(path, {"do": "explode|0~ab"}, csrf=page.csrf).status == 400
     assert r.llen("queue:" + name) == 23
 

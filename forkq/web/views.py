@@ -128,10 +128,12 @@ QUEUE_SLACK_BEFORE, QUEUE_SLACK_AFTER = 100, 1_000
 
 def _lookup_queued(queue: api.Queue, key: str) -> api.Entry | None:
     index_text, _, digest = key.partition("~")
-    if not index_text.isdigit() or not digest:
+    # ASCII digits only ("²".isdigit() is true), and an index Redis can take
+    if not (index_text.isascii() and index_text.isdigit() and len(index_text) < 18) or not digest:
         return None
-    start = max(0, int(index_text) - QUEUE_SLACK_BEFORE)
-    for entry in queue.page(start, int(index_text) - start + QUEUE_SLACK_AFTER):
+    index = int(index_text)
+    start = max(0, index - QUEUE_SLACK_BEFORE)
+    for entry in queue.page(start, index - start + QUEUE_SLACK_AFTER):
         if _digest(entry.raw) == digest:
             return entry
     return None
@@ -291,7 +293,8 @@ def job_page(dash: "Dashboard", req: Request, slug: str, key: str) -> Response:
     return dash.render(req, "job.html", slug=slug, title=title, entry=entry, job=job, key=key,
                        args=args[:ARGS_SHOWN], more_args=max(0, len(args) - ARGS_SHOWN),
                        times=[(label_, job[f]) for f, label_ in TIMES if f in job],
-                       extras=extras[:EXTRAS_SHOWN], more_extras=max(0, len(extras) - EXTRAS_SHOWN),
+                       extras=extras[:EXTRAS_SHOWN],
+                       more_extras=max(0, len(extras) - EXTRAS_SHOWN),
                        score_label=SCORE_LABELS[slug], backtrace=lines,
                        backtrace_problem=problem, actions=SET_ACTIONS[slug], now=time.time())
 
