@@ -7,9 +7,10 @@ per queue blocks in BLMOVE, moving an arriving job into a private landing list (
 memory alone) and waking the fetcher, so idle workers start a new job within a round trip
 instead of polling.
 
-Suspects (jobs that were in flight in a process that crashed) wait on `forkq:suspects`;
-`claim_suspect` takes one at a time into the in-flight hash, so the manager can run each
-alone, and deletes the crash counts of suspects that ran to their end.
+Suspects (jobs that were in flight in a process that crashed) wait on their queue's
+`forkq:suspects:QUEUE`; `claim_suspect` takes one at a time from this process's queues into
+the in-flight hash, so the manager can run each alone, and deletes the crash counts of
+suspects that ran to their end.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class ReliableFetch:
         self.master = master
         self.inflight_key = keys.inflight(identity)
         self._landing_keys = {q: keys.landing(identity, q) for q in order.names}
+        self.suspect_keys = {q: keys.suspects(q) for q in order.names}
         self._fetch = scripts.load(client, "fetch")
         # the claim runs on a connection of its own, past redis-py's per-command overhead
         # (forkq.wire); `direct=False` or Sentinel keep redis-py's path, which may resend
@@ -144,7 +146,8 @@ class ReliableFetch:
         The caller has every processor idle: whatever the in-flight hash still holds after
         the acks is held by no thread, and goes back (`leftovers`) before the claim. A call
         whose reply is lost leaves its claim under a token the next call finds as a
-        leftover: back on the suspects list, then claimed again.
+        leftover: back on the suspects list, then claimed again. Only this process's queues
+        are claimed from, in the order it fetches them: another app's suspects are not its.
         """
         if self._uncertain:
             self.recover_uncertain()
@@ -152,10 +155,12 @@ class ReliableFetch:
         cleared = list(self._cleared)
         token = str(self._next_token)
         self._next_token += 1
+        order = self.order()
         try:
             flat = self._claim_suspect(
-                keys=[self.inflight_key, keys.SUSPECTS],
-                args=[token, len(acks), len(cleared), keys.CRASH_PREFIX, *acks, *cleared])
+                keys=[self.inflight_key, *[self.suspect_keys[q] for q in order]],
+                args=[token, len(acks), len(cleared), keys.CRASH_PREFIX, keys.SUSPECTS_PREFIX,
+                      *acks, *cleared, *order])
         except Exception:
             self._acks.extendleft(reversed(acks))
             raise
@@ -172,8 +177,8 @@ class ReliableFetch:
             self._cleared.append(jid)
 
     def return_suspect(self, unit: Unit) -> int:
-        """Put a claimed suspect no thread started back at the head of the suspects list."""
-        return int(self._return_suspect(keys=[self.inflight_key, keys.SUSPECTS], args=[unit.token]))
+        """Put a claimed suspect no thread started back at the head of its suspects list."""
+        return int(self._return_suspect(keys=[self.inflight_key], args=[unit.token, keys.SUSPECTS_PREFIX]))
 
     def recover_uncertain(self) -> int:
         """Put back jobs that failed fetch calls claimed without our knowing.
@@ -321,7 +326,7 @@ def _undrained(flat: list[Any], want: int, landed: list[str]) -> list[str]:
 class Requeued(NamedTuple):
     requeued: int   # put back to run again, suspects included
     poisoned: int   # sent to dead as forkq.PoisonJob
-    suspects: int   # of `requeued`, those put on the suspects list instead of their queue
+    suspects: int   # of `requeued`, those put on their queue's suspects list instead
 
 
 def requeue_owner(client: redis.Redis, identity: str, queue_names: list[str], *,
@@ -334,14 +339,15 @@ def requeue_owner(client: redis.Redis, identity: str, queue_names: list[str], *,
 
 def requeue_owner_counts(client: redis.Redis, identity: str, queue_names: list[str], *,
                          crashed: bool = False, poison_after: int = 3, script: Any = None) -> Requeued:
-    """Return a (possibly dead) process's private jobs to their queues, or to the suspects
-    list: after a crash (`crashed`) every job in flight is a suspect, and a job that still
-    has a crash count stays one."""
+    """Return a (possibly dead) process's private jobs to their queues, or to their queues'
+    suspects lists: after a crash (`crashed`) every job in flight is a suspect, and a job
+    that still has a crash count stays one."""
     script = script or scripts.load(client, "requeue_all")
     landing = [keys.landing(identity, q) for q in queue_names]
     requeued, poisoned, suspects = script(
-        keys=[keys.inflight(identity), keys.OWNERS, keys.SUSPECTS, *landing],
-        args=[identity, 1 if crashed else 0, poison_after, time.time(), keys.CRASH_PREFIX, *queue_names])
+        keys=[keys.inflight(identity), keys.OWNERS, *landing],
+        args=[identity, 1 if crashed else 0, poison_after, time.time(), keys.CRASH_PREFIX,
+              keys.SUSPECTS_PREFIX, *queue_names])
     return Requeued(int(requeued), int(poisoned), int(suspects))
 
 

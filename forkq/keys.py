@@ -19,9 +19,10 @@ STAT_FAILED = "stat:failed"
 OWNERS = "forkq:owners"
 CRASH_PREFIX = "forkq:crashes:"
 # Jobs that were in flight in a process that died, waiting to run one at a time, each alone
-# in its process, so a crash while one runs counts against that job only. Entries are
-# "QUEUE\nPAYLOAD", as in an in-flight hash; RPOP takes the next one.
-SUSPECTS = "forkq:suspects"
+# in its process, so a crash while one runs counts against that job only. One list per
+# queue (see suspects()): apps sharing a Redis on different queues never see, wait for or
+# run each other's suspects.
+SUSPECTS_PREFIX = "forkq:suspects:"
 
 # Sidekiq's dead_max_jobs and dead_timeout_in_seconds. DeadSet#kill trims with
 # ZREMRANGEBYRANK dead 0 -dead_max_jobs, which removes down to dead_max_jobs - 1 entries:
@@ -53,6 +54,11 @@ def signals(identity: str) -> str:
 def inflight(identity: str) -> str:
     """Hash of this process's fetched, unacknowledged jobs: token -> "QUEUE\\nPAYLOAD"."""
     return "forkq:inflight:" + identity
+
+
+def suspects(queue_name: str) -> str:
+    """A queue's crash suspects, plain payloads as on the queue; RPOP takes the next one."""
+    return SUSPECTS_PREFIX + queue_name
 
 
 def landing(identity: str, queue_name: str) -> str:

@@ -1,7 +1,8 @@
 """The Launcher: heartbeat (Sidekiq-compatible), stats flush and remote signals.
 
-Each heartbeat also reads the length of the suspects list, so the manager learns that
-crash suspects wait to be run alone without a Redis command per job."""
+Each heartbeat also reads the lengths of its queues' suspects lists, so the manager learns
+that crash suspects wait to be run alone without a Redis command per job. Only its own
+queues': another app's suspects on the same Redis are none of its business."""
 
 from __future__ import annotations
 
@@ -147,12 +148,14 @@ class Launcher:
             "quiet": "true" if self.manager.quiet_flag else "false",
             "rss": self._proc.memory_info().rss // 1024})
         pipe.expire(self.identity, keys.HEARTBEAT_TTL_S)
-        pipe.llen(keys.SUSPECTS)
+        suspect_keys = list(self.manager.fetch.suspect_keys.values())
+        for key in suspect_keys:
+            pipe.llen(key)
         pipe.rpop(keys.signals(self.identity))
         result = pipe.execute()
         self._flushed = self._pending
         # jobs a crash made suspects: the manager runs them one at a time, each alone
-        self.manager.suspects_seen(int(result[-2] or 0))
+        self.manager.suspects_seen(sum(int(n or 0) for n in result[-1 - len(suspect_keys):-1]))
         sig = result[-1]
         if sig:
             # whatever a client pushed there: bytes that are not UTF-8 are an unknown

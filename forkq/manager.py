@@ -9,12 +9,13 @@ waiter caught a job, after a failed claim (with backoff), and for processors tha
 idle while another claim was on its way. When Redis has nothing, the per-queue waiters
 block in BLMOVE. One claim runs at a time (the baton).
 
-Isolation of suspects: jobs that were in flight in a process that crashed wait on the
-`forkq:suspects` list. When the heartbeat sees that list non-empty, the fetch loop stops
-claiming, waits until every processor is idle, then claims one suspect, runs it alone,
-and claims the next one the same way when it has finished, until the list is empty. A
-crash while a suspect runs alone has that one job in flight, so it counts against that
-job only: an innocent job that happened to run beside a poison job is never poisoned.
+Isolation of suspects: jobs that were in flight in a process that crashed wait on their
+queue's `forkq:suspects:QUEUE` list. When the heartbeat sees suspects on this process's
+queues, the fetch loop stops claiming, waits until every processor is idle, then claims
+one suspect, runs it alone, and claims the next one the same way when it has finished,
+until none is left. A crash while a suspect runs alone has that one job in flight, so it
+counts against that job only: an innocent job that happened to run beside a poison job is
+never poisoned.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ class Manager:
         self.waiters = Waiters(self.fetch, connect, self._wake_fetcher, self.health.failed)
         self.quiet_flag = False
         self.hard_stopped = False
-        # set by the heartbeat thread from LLEN forkq:suspects; read by the fetch loop
+        # set by the heartbeat thread from LLEN forkq:suspects:QUEUE; read by the fetch loop
         self.suspects_waiting = False
         self._suspect: Unit | None = None   # the suspect running alone, while isolating
         self._suspect_jid: str | None = None
@@ -385,7 +386,8 @@ class Manager:
             self._asleep = False
 
     def suspects_seen(self, waiting: int) -> None:
-        """The heartbeat read LLEN forkq:suspects: isolate them if there are any."""
+        """The heartbeat read this process's queues' suspects lists: isolate the suspects
+        if there are any."""
         now = waiting > 0 and not self.quiet_flag
         if now != self.suspects_waiting:
             self.suspects_waiting = now

@@ -5,8 +5,9 @@ once (host power loss, a pod SIGKILLed, `kill -9` of the master and its children
 private structures stay in Redis, registered in `forkq:owners`. Every live forkq sweeps
 that registry now and then: an owner whose heartbeat is older than the recovery delay (or
 gone, once the owner is older than the delay) is dead, and its jobs go back to their queues
-(crash suspects to `forkq:suspects`). A lock with an expiry lets one forkq sweep at a time
-cluster-wide. The registry is one small hash: no KEYS, no SCAN of the database.
+(crash suspects to their queue's `forkq:suspects:QUEUE`). A lock with an expiry lets one
+forkq sweep at a time cluster-wide. The registry is one small hash: no KEYS, no SCAN of the
+database.
 
 A recovered orphan counts as a crash for every job it had in flight, as a dead child does
 (same --poison-after, same forkq.PoisonJob entry in dead): a job that takes down a whole

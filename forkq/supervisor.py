@@ -65,7 +65,7 @@ class Stats:
     restarts: dict[str, int] = field(default_factory=dict)
     requeued: int = 0
     poisoned: int = 0
-    suspects: int = 0      # of requeued: sent to the suspects list, to run alone
+    suspects: int = 0      # of requeued: sent to their queue's suspects list, to run alone
 
 
 class Supervisor:
@@ -338,7 +338,7 @@ class Supervisor:
             self.stats.poisoned += poisoned
             self.stats.suspects += suspects
             if requeued or poisoned:
-                # suspects: how many of the requeued went to forkq:suspects (to run alone)
+                # suspects: how many of the requeued went to forkq:suspects:QUEUE (to run alone)
                 log.warning("requeued a child's in-flight jobs", identity=identity,
                             requeued=requeued, poisoned=poisoned, suspects=suspects)
         if final and self.pending_requeue:

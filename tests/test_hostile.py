@@ -239,16 +239,18 @@ def test_hostile_corpus_ends_in_dead_or_where_sidekiq_puts_it(workers, r):
 
 
 @pytest.mark.timeout(30)
-def test_a_garbage_entry_in_forkq_suspects_does_not_wedge_the_worker(workers, r):
-    r.lpush("forkq:suspects", b"an entry without the QUEUE-newline prefix")
+def test_a_garbage_entry_in_a_suspects_list_does_not_wedge_the_worker(workers, r):
+    # claimed like any suspect, then parked in dead by the processor as a malformed payload
+    r.lpush("forkq:suspects:default", b"not a job at all")
     worker = workers(concurrency=1, extra_args=["--heartbeat-interval", "0.5"])
-    wait_until(lambda: r.llen("forkq:suspects") == 0, timeout=5, message="the suspect taken")
+    wait_until(lambda: r.llen("forkq:suspects:default") == 0, timeout=5, message="the suspect taken")
     r.lpush("queue:default", _job(RECORD, ["after-garbage-suspect"]))
     wait_records(r, 1, worker, kind="record", timeout=4)
     worker.assert_alive()
     (entry,) = [json.loads(m) for m in r.zrange("dead", 0, -1)]
-    assert "QUEUE" in entry["error_message"]
-    assert entry["forkq_original"] == "an entry without the QUEUE-newline prefix"
+    assert entry["error_class"] == "forkq.MalformedPayload" and entry["error_message"]
+    assert entry["forkq_original"] == "not a job at all"
+    assert not [k for k in r.keys("forkq:inflight:*") if r.hlen(k)]
 
 
 # -- property tests -----------------------------------------------------------------------------

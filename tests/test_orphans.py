@@ -108,7 +108,7 @@ def test_a_restarted_forkq_recovers_its_dead_predecessors_jobs_at_boot(instances
     wait_until(lambda: len(b.events("recovered a dead process's jobs")) == 2, timeout=15,
                message="b recovered both of a's children at boot")
     # back as from a crash: suspects, which b runs one at a time, each alone
-    wait_until(lambda: _held(r) == 1 and r.llen(keys.SUSPECTS) == 3 and r.llen("queue:default") == 0,
+    wait_until(lambda: _held(r) == 1 and r.llen(keys.suspects("default")) == 3 and r.llen("queue:default") == 0,
                timeout=10, message="b runs one recovered job alone, three wait as suspects")
     assert [r.get(keys.CRASH_PREFIX + jid) for jid in jids] == [b"1"] * 4
     owners = [json.loads(v) for v in r.hvals(keys.OWNERS)]
@@ -147,7 +147,7 @@ def test_a_job_that_kills_whole_forkqs_goes_dead_after_poison_after_of_them(inst
     assert entry["error_class"] == "forkq.PoisonJob"
     assert entry["error_message"] == "killed its worker process 2 times"
     assert not r.exists(keys.CRASH_PREFIX + jid)
-    assert r.llen(keys.SUSPECTS) == 0 and r.llen("queue:default") == 0 and r.llen("orphan:ran") == 0
+    assert r.llen(keys.suspects("default")) == 0 and r.llen("queue:default") == 0 and r.llen("orphan:ran") == 0
     (event,) = last.events("recovered a dead process's jobs")
     assert event["poisoned"] == 1
 
@@ -248,7 +248,7 @@ def test_dead_owner_rules(r):
     recovered = {identity: counts.requeued for identity, counts in orphans.sweep(r, 60, "me")}
     assert recovered == {"stale-beat": 1, "old-no-beat": 0}
     # back as from a crash: a suspect to run alone, its crash count raised
-    assert r.lrange(keys.SUSPECTS, 0, -1) == [b'default\n{"class":"c","args":[],"jid":"j"}']
+    assert r.lrange(keys.suspects("default"), 0, -1) == [b'{"class":"c","args":[],"jid":"j"}']
     assert r.get(keys.CRASH_PREFIX + "j") == b"1"
     assert not r.exists("queue:default")
     assert set(r.hkeys(keys.OWNERS)) == {b"fresh-beat", b"young-no-beat"}

@@ -2,8 +2,8 @@
 
 When a child dies, every job in its in-flight hash gets its crash count (forkq:crashes:JID)
 raised; one that reaches --poison-after goes to dead as forkq.PoisonJob, the others go to
-the forkq:suspects list. A worker whose heartbeat sees suspects stops claiming, waits until
-it is idle, and runs them one at a time, each alone, so a later crash counts against the one
+their queue's forkq:suspects:QUEUE list. A worker whose heartbeat sees suspects on its
+queues stops claiming, waits until it is idle, and runs them one at a time, each alone, so a later crash counts against the one
 job that was running. Jobs come from tests/apps/supervised_jobs.py and record every run in
 sup:events with the pid that ran it; waiting is always a deadline (wait_until).
 """
@@ -18,11 +18,11 @@ import time
 import pytest
 
 import forkq
-from forkq import payload
+from forkq import keys, payload
 from helpers import wait_until
 from test_supervisor import Master, assert_clean, push, queued_jids, sup_events, wait_event
 
-SUSPECTS = "forkq:suspects"
+SUSPECTS = keys.suspects("default")
 HEARTBEAT = ["--heartbeat-interval", "0.2"]  # isolation starts within 0.2 s of a crash
 ISOLATING = "isolating suspects: no new jobs until they have run, one at a time, alone"
 
@@ -57,12 +57,7 @@ def crash_keys(r) -> list[bytes]:
 
 def suspect_jids(r) -> list[str]:
     """Jids on the suspects list, left to right (the rightmost runs next)."""
-    out = []
-    for entry in r.lrange(SUSPECTS, 0, -1):
-        queue, raw = entry.split(b"\n", 1)
-        assert queue == b"default"
-        out.append(json.loads(raw)["jid"])
-    return out
+    return [json.loads(raw)["jid"] for raw in r.lrange(SUSPECTS, 0, -1)]
 
 
 def dead_jobs(r) -> list[dict]:
@@ -186,11 +181,11 @@ def test_a_kill_while_a_suspect_runs_alone_counts_against_it_only_and_others_flo
 
 @pytest.mark.timeout(30)
 def test_suspects_run_one_at_a_time_each_alone_while_ordinary_jobs_flow(start_master, redis_url, r):
-    # suspects as a crash leaves them: "QUEUE\nPAYLOAD" on the list, a crash count each
+    # suspects as a crash leaves them: the payload on its queue's list, a crash count each
     suspects = []
     for i in range(3):
         job = payload.build("sup.sleep", [f"suspect{i}", 0.5], retry=0)
-        r.lpush(SUSPECTS, "default\n" + payload.dumps(job))
+        r.lpush(SUSPECTS, payload.dumps(job))
         r.set(f"forkq:crashes:{job['jid']}", 1)
         suspects.append(job["jid"])
     client = forkq.Client(redis_url)
@@ -260,7 +255,7 @@ def test_a_quiet_worker_leaves_suspects_alone(start_master, redis_url, r):
     wait_until(lambda: m.log_events("quiet: no new jobs will start"), timeout=5, interval=0.05,
                message=f"the child to be quiet\n{m.tail()}")
     job = payload.build("sup.quick", ["suspect"], retry=0)
-    r.lpush(SUSPECTS, "default\n" + payload.dumps(job))
+    r.lpush(SUSPECTS, payload.dumps(job))
     r.set(f"forkq:crashes:{job['jid']}", 1)
     time.sleep(1.0)  # five heartbeats: a non-quiet worker would have run it by now
     assert suspect_jids(r) == [job["jid"]]
@@ -286,7 +281,7 @@ def test_a_suspect_claim_puts_back_what_no_thread_holds_and_a_resent_claim_hands
     r.hset(fetch.inflight_key, mapping={"7": "default\n" + payload.dumps(plain),
                                         "8": "default\n" + payload.dumps(stale)})
     fresh = payload.build("sup.quick", ["fresh"], retry=0)
-    r.lpush(SUSPECTS, "default\n" + payload.dumps(fresh))
+    r.lpush(SUSPECTS, payload.dumps(fresh))
     r.set(f"forkq:crashes:{fresh['jid']}", 1)
 
     unit, leftovers = fetch.claim_suspect()
@@ -302,7 +297,7 @@ def test_a_suspect_claim_puts_back_what_no_thread_holds_and_a_resent_claim_hands
     # PAYLOAD"); the claim is in today's ("TOKEN\nQUEUE" -> PAYLOAD)
     assert unit.token == "1\ndefault" and r.hget(fetch.inflight_key, unit.token) == unit.raw
     again = fetch._claim_suspect(keys=[fetch.inflight_key, SUSPECTS],
-                                 args=["1", 0, 0, "forkq:crashes:"])
+                                 args=["1", 0, 0, "forkq:crashes:", keys.SUSPECTS_PREFIX, "default"])
     assert again[1:] == [unit.token.encode(), b"default", unit.raw]
     assert suspect_jids(r) == [fresh["jid"]]
 

@@ -112,7 +112,7 @@ def test_connections_cut_mid_command_lose_nothing(own_redis, tmp_path):
         assert master.poll() is None
         wait_until(lambda: _ran(r) == set(range(n)), timeout=60, message="every job ran")
         assert _stop(master) == 0
-        assert _private(r) == [] and r.llen("queue:chaos") == 0 and r.llen("forkq:suspects") == 0
+        assert _private(r) == [] and r.llen("queue:chaos") == 0 and r.llen("forkq:suspects:chaos") == 0
     finally:
         stop.set()
         _stop(master)

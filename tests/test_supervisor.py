@@ -651,7 +651,7 @@ def test_a_child_that_dies_while_quiet_and_redis_is_down_gets_its_job_back_once_
                    timeout=15, message=f"the requeue at reaping failed\n{m.tail()}")
         own_redis.start()
         r = own_redis.client()
-        wait_until(lambda: r.llen("forkq:suspects") == 1 and not private_keys(r), timeout=10,
+        wait_until(lambda: r.llen("forkq:suspects:default") == 1 and not private_keys(r), timeout=10,
                    message=f"the job back among the suspects\n{m.tail()}")
         assert m.slots() == {}  # quiet: no replacement
         m.signal(signal.SIGTERM)

@@ -5,23 +5,26 @@
 -- the claim (a suspect's crash would otherwise count against it too).
 --
 -- KEYS[1]   the in-flight hash ("TOKEN\nQUEUE" -> PAYLOAD)
--- KEYS[2]   the suspects list ("QUEUE\nPAYLOAD" entries; RPOP takes the next)
+-- KEYS[2..] the suspects lists of the process's queues, in the order to try them (plain
+--           payloads; RPOP takes the next)
 -- ARGV[1]   the token number for the claim
--- ARGV[2]   nacks, ARGV[3] ncleared, ARGV[4] crash-count key prefix
--- ARGV[5..] nacks fields to delete, then ncleared jids of suspects that ran to their end
---           (their crash counts are deleted)
+-- ARGV[2]   nacks, ARGV[3] ncleared, ARGV[4] crash-count key prefix, ARGV[5] suspects-list
+--           key prefix
+-- ARGV[6..] nacks fields to delete, then ncleared jids of suspects that ran to their end
+--           (their crash counts are deleted), then the queue name of each of KEYS[2..]
 -- Returns {returned} when there is no suspect, else {returned, field, queue, payload};
 -- returned counts the leftovers put back.
 --#include entry
-local hash, suspects = KEYS[1], KEYS[2]
+local hash = KEYS[1]
 local token = ARGV[1]
 local nacks = tonumber(ARGV[2])
 local ncleared = tonumber(ARGV[3])
-local prefix = ARGV[4]
+local prefix, suspects = ARGV[4], ARGV[5]
+local names = 6 + nacks + ncleared  -- ARGV index of the queue name of KEYS[2]
 if nacks > 0 then
-  redis.call('HDEL', hash, unpack(ARGV, 5, 4 + nacks))
+  redis.call('HDEL', hash, unpack(ARGV, 6, 5 + nacks))
 end
-for i = 5 + nacks, 4 + nacks + ncleared do
+for i = 6 + nacks, 5 + nacks + ncleared do
   redis.call('DEL', prefix .. ARGV[i])
 end
 
@@ -53,7 +56,7 @@ if #flat > 0 then
       local ok, decoded = pcall(cjson.decode, job)
       if ok and type(decoded) == 'table' and type(decoded['jid']) == 'string'
           and redis.call('EXISTS', prefix .. decoded['jid']) == 1 then
-        redis.call('RPUSH', suspects, name .. "\n" .. job)
+        redis.call('RPUSH', suspects .. name, job)
       else
         redis.call('RPUSH', 'queue:' .. name, job)
       end
@@ -63,19 +66,15 @@ if #flat > 0 then
   redis.call('DEL', hash)
 end
 
--- An entry that is not "QUEUE\nPAYLOAD" was not written by forkq: it cannot be run or
--- put back anywhere, so it goes to dead, and the next one is taken. Left in place it
--- would fail every claim and wedge the worker.
-local v = redis.call('RPOP', suspects)
-while v and not string.find(v, "\n", 1, true) do
-  malformed = malformed + 1
-  malformed_to_dead(v, 'forkq:suspects entry is not QUEUE<newline>PAYLOAD', malformed)
-  v = redis.call('RPOP', suspects)
+-- Any entry is claimed as it is, as fetch claims from a queue: one that is no job (garbage
+-- a client wrote there) goes to dead from the processor, with the parse error as reason.
+for i = 2, #KEYS do
+  local job = redis.call('RPOP', KEYS[i])
+  if job then
+    local name = ARGV[names + i - 2]
+    local field = token .. "\n" .. name
+    redis.call('HSET', hash, field, job)
+    return {returned, field, name, job}
+  end
 end
-if not v then
-  return {returned}
-end
-local name, job = entry(token, v)  -- a bare token number: v is "QUEUE\nPAYLOAD"
-local field = token .. "\n" .. name
-redis.call('HSET', hash, field, job)
-return {returned, field, name, job}
+return {returned}

@@ -5,25 +5,25 @@
 --
 -- A job that was in flight in a process that crashed is a suspect: its crash count
 -- (ARGV[5] .. jid) goes up; at ARGV[3] it goes to dead as forkq.PoisonJob, otherwise it
--- goes onto the suspects list, where workers take suspects one at a time and run each
--- alone, so that a later crash counts against that one job only. A job put back without a
--- crash that still has a crash count (a suspect cut off by a stop) goes onto the suspects
--- list too: back on its queue it would run beside others again.
+-- goes onto its queue's suspects list (ARGV[6] .. queue), where workers of that queue take
+-- suspects one at a time and run each alone, so that a later crash counts against that one
+-- job only. A job put back without a crash that still has a crash count (a suspect cut off
+-- by a stop) goes onto the suspects list too: back on its queue it would run beside others
+-- again.
 --
 -- An in-flight entry in no known form goes to dead with the reason.
 --
--- KEYS[1] in-flight hash, KEYS[2] owners registry, KEYS[3] suspects list,
--- KEYS[4..] landing lists
+-- KEYS[1] in-flight hash, KEYS[2] owners registry, KEYS[3..] landing lists
 -- ARGV[1] identity, ARGV[2] crashed (1: count each in-flight job as a suspect in the death)
--- ARGV[3] crashes that make a job poison, ARGV[4] now, ARGV[5] crash-count key prefix
--- ARGV[6..] the queue name of each landing list
+-- ARGV[3] crashes that make a job poison, ARGV[4] now, ARGV[5] crash-count key prefix,
+-- ARGV[6] suspects-list key prefix, ARGV[7..] the queue name of each landing list
 -- Returns {requeued, poisoned, suspects}: requeued counts every job put back to run again,
 -- the suspects among them included.
 --#include entry
 local requeued, poisoned = 0, 0
-local suspects = KEYS[3]
-for i = 4, #KEYS do
-  local name = ARGV[i + 2]
+local suspects = ARGV[6]
+for i = 3, #KEYS do
+  local name = ARGV[i + 4]
   -- landing lists are LPUSHed, so pushing them in LRANGE order leaves the oldest rightmost;
   -- nothing in them had started, so nothing in them is a suspect
   local jobs = redis.call('LRANGE', KEYS[i], 0, -1)
@@ -43,7 +43,7 @@ end
 table.sort(items, function(a, b) return a[1] > b[1] end)
 local crashed = ARGV[2] == '1'
 local limit = tonumber(ARGV[3])
-local suspected = {}   -- crash suspects, newest first
+local suspected = {}   -- crash suspects, newest first: {list, payload}
 local held = 0         -- suspects put back without a crash
 local malformed = 0
 for _, item in ipairs(items) do
@@ -52,7 +52,6 @@ for _, item in ipairs(items) do
     malformed = malformed + 1
     malformed_to_dead(item[3], 'in-flight entry of unknown form (field ' .. item[2] .. ')', malformed)
   else
-    local v = name .. "\n" .. job  -- as the suspects list holds it
     local ok, decoded = pcall(cjson.decode, job)
     local key = nil
     if ok and type(decoded) == 'table' and type(decoded['jid']) == 'string' then
@@ -77,11 +76,11 @@ for _, item in ipairs(items) do
         redis.call('DEL', key)
         poisoned = poisoned + 1
       else
-        suspected[#suspected + 1] = v
+        suspected[#suspected + 1] = {suspects .. name, job}
       end
     elseif key and redis.call('EXISTS', key) == 1 then
       -- a suspect that was stopped, not crashed: next in line among the suspects again
-      redis.call('RPUSH', suspects, v)
+      redis.call('RPUSH', suspects .. name, job)
       held = held + 1
     else
       redis.call('RPUSH', 'queue:' .. name, job)
@@ -92,7 +91,7 @@ end
 -- new crash suspects join the far end of the line (a poison job that crashed again waits
 -- behind the others), the oldest claim of this batch nearest the front
 for i = #suspected, 1, -1 do
-  redis.call('LPUSH', suspects, suspected[i])
+  redis.call('LPUSH', suspected[i][1], suspected[i][2])
 end
 local nsuspects = #suspected + held
 redis.call('DEL', KEYS[1])
