@@ -20,7 +20,7 @@ import pytest
 import forkq
 from forkq import keys, payload
 from helpers import wait_until
-from test_supervisor import Master, assert_clean, push, queued_jids, sup_events, wait_event
+from test_supervisor import APPS, Master, assert_clean, push, queued_jids, sup_events, wait_event
 
 SUSPECTS = keys.suspects("default")
 HEARTBEAT = ["--heartbeat-interval", "0.2"]  # isolation starts within 0.2 s of a crash
@@ -318,3 +318,56 @@ def test_a_suspect_claim_puts_back_what_no_thread_holds_and_a_resent_claim_hands
     fetch.ack(unit3.token)
     assert fetch.claim_suspect() == (None, 0)
     assert r.hlen(fetch.inflight_key) == 0
+
+
+@pytest.mark.timeout(10)
+def test_a_suspect_claim_takes_from_this_processs_queues_only_in_their_order(r):
+    from forkq.fetch import ReliableFetch
+    from forkq.queues import QueueOrder
+
+    fetch = ReliableFetch(r, "test:1:000000000000", QueueOrder([("high", 0), ("low", 0)]))
+    jobs = {q: payload.build("sup.quick", [q], queue=q, retry=0) for q in ("other", "low", "high")}
+    for q, job in jobs.items():
+        r.lpush(keys.suspects(q), payload.dumps(job))
+    claimed = []
+    while (unit := fetch.claim_suspect()[0]) is not None:
+        claimed.append((unit.queue, json.loads(unit.raw)["jid"]))
+        fetch.ack(unit.token)
+    assert claimed == [("high", jobs["high"]["jid"]), ("low", jobs["low"]["jid"])]
+    # another app's queue: not this process's to run
+    assert [json.loads(raw)["jid"] for raw in r.lrange(keys.suspects("other"), 0, -1)] == [jobs["other"]["jid"]]
+
+
+# -- two apps on one Redis: each runs its own suspects only ----------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_another_apps_suspects_neither_pause_nor_run_in_this_app(start_master, redis_url, r):
+    # app A (the sup.* jobs, queue mail) and app B (orphan.work only, queue billing) share a
+    # Redis. A's children take 3 s to start, so for 3 s after a crash in A nobody but B could
+    # take A's suspect: B must leave it alone and keep working.
+    a = start_master(processes=1, concurrency=2, args=["--queue", "mail"], env={"SUP_FORK_DELAY": "3"})
+    b = start_master(processes=1, concurrency=2, args=["--queue", "billing"], app=APPS / "orphan_jobs.py")
+    client = forkq.Client(redis_url)
+    client.push("orphan.work", ["warm-up", 0], queue="billing")
+    wait_until(lambda: r.llen("orphan:ran") == 1, timeout=15, message=f"B at work\n{b.tail()}")
+    victim = client.push("sup.sleep", ["victim", 3], queue="mail")
+    (first,) = wait_event(r, a, "start", "victim", timeout=15)
+    os.kill(first["pid"], signal.SIGKILL)
+    wait_until(lambda: a.log_events("requeued a child's in-flight jobs"), timeout=5, interval=0.02,
+               message=f"A requeued its dead child's job\n{a.tail()}")
+
+    client.push_bulk("orphan.work", [[f"b{i}", 0] for i in range(5)], queue="billing")
+    wait_until(lambda: r.llen("orphan:ran") == 6, timeout=5, interval=0.02,
+               message=f"B ran its own jobs\n{b.tail()}")
+    assert not b.log_events(ISOLATING), "B paused its own work for A's suspect"
+    # A's replacement is still starting: its suspect waits for it, on its own queue's list
+    assert [json.loads(raw)["jid"] for raw in r.lrange(keys.suspects("mail"), 0, -1)] == [victim]
+
+    (done,) = wait_event(r, a, "done", "victim", timeout=15)
+    assert done["pid"] in a.slots().values()
+    assert [e["jid"] for e in a.log_events("running a suspect alone")] == [victim]
+    assert not b.log_events(ISOLATING) and not b.log_events("running a suspect alone")
+    assert not b.log_events("fail") and r.zcard("retry") == 0 and r.zcard("dead") == 0
+    wait_until(lambda: r.llen(keys.suspects("mail")) == 0 and not crash_keys(r), timeout=5,
+               interval=0.05, message=f"crash keys={crash_keys(r)}")
