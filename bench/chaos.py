@@ -356,7 +356,7 @@ def _dead(r: redis.Redis) -> tuple[list[int], int]:
 def _settled(r: redis.Redis, jobs: int) -> bool:
     """Every job ran or is dead, and nothing is queued, held, suspect, scheduled or retrying."""
     try:
-        if r.llen(f"queue:{QUEUE}") or r.llen("forkq:suspects") or r.zcard("retry") or r.zcard("schedule"):
+        if r.llen(f"queue:{QUEUE}") or r.llen(f"forkq:suspects:{QUEUE}") or r.zcard("retry") or r.zcard("schedule"):
             return False
         pipe = r.pipeline(transaction=False)
         for ident in r.hkeys("forkq:owners"):
@@ -380,7 +380,7 @@ def _check(r: redis.Redis, report: Report) -> None:
         "forkq:inflight:*": sorted(k.decode() for k in r.scan_iter(match="forkq:inflight:*")),
         "forkq:landing:*": sorted(k.decode() for k in r.scan_iter(match="forkq:landing:*")),
         "forkq:owners": r.hlen("forkq:owners"),
-        "forkq:suspects": r.llen("forkq:suspects"),
+        f"forkq:suspects:{QUEUE}": r.llen(f"forkq:suspects:{QUEUE}"),
         f"queue:{QUEUE}": r.llen(f"queue:{QUEUE}"),
         "due in schedule": r.zcount("schedule", "-inf", now),
         "due in retry": r.zcount("retry", "-inf", now),

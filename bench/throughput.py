@@ -147,18 +147,18 @@ def bench_recovery(r, processes: int, concurrency: int, rounds: int) -> list[flo
             held = r.client.hlen(f"forkq:inflight:{identity}")
             t0 = time.monotonic()
             os.kill(victim.pid, signal.SIGKILL)
-            # back in shared lists (the queue, or forkq:suspects for crash suspects) the
+            # back in shared lists (the queue, or forkq:suspects:bench for crash suspects) the
             # moment the dead child's private hash is gone
             while r.client.exists(f"forkq:inflight:{identity}"):
                 if time.monotonic() - t0 > 10:
                     raise SystemExit("jobs did not come back")
                 time.sleep(0.0005)
             times.append(time.monotonic() - t0)
-            back = r.client.llen("queue:bench") + r.client.llen("forkq:suspects")
+            back = r.client.llen("queue:bench") + r.client.llen("forkq:suspects:bench")
             if back < held:
                 raise SystemExit(f"only {back} of {held} jobs came back")
             # clear for the next round: no 30 s sleepers left to run alone
-            r.client.delete("queue:bench", "forkq:suspects")
+            r.client.delete("queue:bench", "forkq:suspects:bench")
             for key in r.client.scan_iter("forkq:crashes:*"):
                 r.client.delete(key)
             wait_ready(r.client, processes)
