@@ -16,7 +16,7 @@ Sidekiq Pro's super_fetch likewise counts every recovery against the job. Some o
 not crash: a process that stopped gracefully while Redis was down could not put its jobs
 back or say that it stopped, and nothing in Redis tells it from one SIGKILLed. Counting
 those too is accepted: each recovery only makes a job a suspect, run alone once and
-cleared when it ends, so only --poison-after (3) such recoveries, each within a day of
+cleared when it ends, so only --poison-after (3) such recoveries, each within 72 hours of
 the last and with no run to its end between them, send an innocent job to dead.
 """
 

@@ -111,6 +111,8 @@ def test_a_restarted_forkq_recovers_its_dead_predecessors_jobs_at_boot(instances
     wait_until(lambda: _held(r) == 1 and r.llen(keys.suspects("default")) == 3 and r.llen("queue:default") == 0,
                timeout=10, message="b runs one recovered job alone, three wait as suspects")
     assert [r.get(keys.CRASH_PREFIX + jid) for jid in jids] == [b"1"] * 4
+    # counted over Sidekiq Pro's window: poison is --poison-after recoveries in 72 hours
+    assert all(71 * 3600 < r.ttl(keys.CRASH_PREFIX + jid) <= 72 * 3600 for jid in jids)
     owners = [json.loads(v) for v in r.hvals(keys.OWNERS)]
     assert len(owners) == 1 and owners[0]["pid"] != a.proc.pid
 
@@ -307,7 +309,7 @@ def test_a_forkq_that_beats_less_often_than_anothers_delay_keeps_its_running_job
     wait_until(lambda: r.hlen(keys.OWNERS) == 2, timeout=20, message="b's child registered")
     wait_until(lambda: r.llen("orphan:ran") == 1, timeout=15, message="a finished the job")
     # the moment a's run ended, nothing else holds or waits to run that job
-    assert _held(r) == 0 and r.llen("queue:default") == 0 and r.llen(keys.SUSPECTS) == 0
+    assert _held(r) == 0 and r.llen("queue:default") == 0 and r.llen(keys.suspects("default")) == 0
     assert not b.events("recovered a dead process's jobs")
     (ran,) = [x.decode() for x in r.lrange("orphan:ran", 0, -1)]
     assert ran.startswith("once:")

@@ -59,7 +59,8 @@ for _, item in ipairs(items) do
     end
     if crashed and key then
       local count = redis.call('INCR', key)
-      redis.call('EXPIRE', key, 86400)
+      -- Sidekiq Pro's window: a job recovered --poison-after times in 72 hours is poison
+      redis.call('EXPIRE', key, 259200)
       if count >= limit then
         -- The payload keeps its own text, with the reason appended: cjson would write an
         -- empty [] as {} (args, tags), round integers past 2^53 and cut floats to 14
