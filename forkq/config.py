@@ -34,13 +34,14 @@ def positive_int(text: Any) -> int:
     return value
 
 
-def at_most(high: int) -> Callable[[Any], int]:
-    """positive_int with a ceiling: a typo of a few zeros must not try to fork or start a
-    million of something (the process hangs, half-started, where it should refuse)."""
-    def parse(text: Any) -> int:
-        value = positive_int(text)
+def at_most(high: float, below: Callable[[Any], Any] = positive_int) -> Callable[[Any], Any]:
+    """A parser (positive_int unless told) with a ceiling: a typo of a few zeros must not try
+    to fork or start a million of something (the process hangs, half-started, where it
+    should refuse)."""
+    def parse(text: Any) -> Any:
+        value = below(text)
         if value > high:
-            raise ValueError(f"must be at most {high}, not {text!r}")
+            raise ValueError(f"must be at most {high:g}, not {text!r}")
         return value
     return parse
 
@@ -55,15 +56,6 @@ def positive_float(text: Any) -> float:
     if not value > 0 or value == float("inf"):
         raise ValueError(f"must be a number above 0, not {text!r}")
     return value
-
-
-def seconds_at_most(high: float) -> Callable[[Any], float]:
-    def parse(text: Any) -> float:
-        value = positive_float(text)
-        if value > high:
-            raise ValueError(f"must be at most {high:g}, not {text!r}")
-        return value
-    return parse
 
 
 def port(value: Any) -> int:
@@ -167,7 +159,7 @@ OPTIONS = [
            "average seconds between scheduled/retry polls per process (default 5)"),
     # at most a third of the heartbeat's 60 s expiry (Sidekiq's), or a live process would
     # vanish from `processes` between beats and lose a remote signal left for it
-    Option("--heartbeat-interval", "heartbeat_interval", seconds_at_most(keys.HEARTBEAT_TTL_S / 3),
+    Option("--heartbeat-interval", "heartbeat_interval", at_most(keys.HEARTBEAT_TTL_S / 3, positive_float),
            "seconds between heartbeats, at most 20; remote signals are read at each (default 5)"),
     Option("--tag", "tag", text, "tag shown in the heartbeat", empty_ok=True),
     Option("--log-level", "log_level", one_of(*logs.LEVELS), "debug, info, warning, error or critical"),

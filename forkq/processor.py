@@ -52,9 +52,11 @@ def _leave_copy(exc: BaseException | None) -> None:
     """End a forked copy as the job's code ended in it, writing nothing to Redis."""
     code = 0
     if isinstance(exc, SystemExit):
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if exc.code is not None and not isinstance(exc.code, int):
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:  # sys.exit("message"), as the interpreter ends it
             print(exc.code, file=sys.stderr)
+            code = 1
     elif exc is not None:
         traceback.print_exception(exc)
         code = 1
