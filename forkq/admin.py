@@ -1,0 +1,268 @@
+"""The admin commands: `forkq stats`, `queues`, `processes`, `busy` and the dead, retry
+and schedule sets. Read-only views and bulk actions on what is in Redis, as tables for
+people and --json for scripts; the data comes from forkq.api."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from typing import Any
+
+from . import config
+from .cli import ArgumentParser, _flag_type, redis_errors, whole_number
+from .errors import ConfigError
+
+
+# sorted set -> (its actions besides list, the verb for moving entries onto their queues)
+SET_ACTIONS = {"dead": ("retry", "delete"), "retry": ("retry-now", "delete", "kill"),
+               "schedule": ("run-now", "delete", "kill")}
+
+
+MALFORMED_HELP = ("entries that are no runnable job: forkq.MalformedJob (a payload forkq "
+                  "could not parse) and members that do not parse")
+
+
+def add_admin_commands(sub: argparse._SubParsersAction) -> None:
+    """stats, queues, processes and the dead/retry/schedule sets: read-only views and
+    bulk actions on what is in Redis, for people (tables) and scripts (--json)."""
+    common = ArgumentParser(add_help=False)
+    common.add_argument("--redis-url", default=None, type=_flag_type(config.BY_KEY["redis_url"]),
+                        help="Redis URL [env FORKQ_REDIS_URL]")
+    common.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
+    p = sub.add_parser("stats", parents=[common], help="processed/failed totals, set sizes, daily history")
+    p.add_argument("--days", type=whole_number("--days", 1, 3660), default=7, help="days of history (default 7)")
+    sub.add_parser("queues", parents=[common], help="each queue: size and latency")
+    sub.add_parser("processes", parents=[common], help="live processes grouped by master")
+    sub.add_parser("busy", parents=[common], help="the jobs running now, longest-running first")
+    for name, actions in SET_ACTIONS.items():
+        p = sub.add_parser(name, help=f"list or act on the {name} set")
+        verbs = p.add_subparsers(dest="action", required=True, parser_class=ArgumentParser)
+        listing = verbs.add_parser("list", parents=[common], help=f"entries of the {name} set, oldest first")
+        listing.add_argument("--jid", help="only this job")
+        listing.add_argument("--class", dest="klass", metavar="NAME", help="only jobs of this class")
+        listing.add_argument("--queue", help="only jobs of this queue")
+        listing.add_argument("--malformed", action="store_true", help=MALFORMED_HELP)
+        listing.add_argument("--limit", type=whole_number("--limit"), default=100,
+                             help="show at most this many (default 100)")
+        for verb in actions:
+            a = verbs.add_parser(verb, parents=[common], help=f"{verb} the chosen entries")
+            pick = a.add_mutually_exclusive_group(required=True)
+            pick.add_argument("--jid", help="the entry with this jid")
+            pick.add_argument("--class", dest="klass", metavar="NAME", help="every entry of this class")
+            pick.add_argument("--queue", help="every entry of this queue")
+            pick.add_argument("--all", action="store_true", help="every entry")
+            pick.add_argument("--malformed", action="store_true", help=MALFORMED_HELP)
+
+
+COMMANDS = ("stats", "queues", "processes", "busy", *SET_ACTIONS)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one admin command; a Redis failure is one line naming the (masked) URL."""
+    import redis
+    from . import api, client
+    try:
+        url = client.redis_url(args.redis_url or config.from_env("redis_url"))
+    except ConfigError as exc:
+        sys.stderr.write(f"forkq: {exc}\n")
+        return 2
+    try:
+        conn = api.connect(url)
+        if args.command in SET_ACTIONS:
+            return _set_command(conn, args)
+        data, table = {"stats": _stats, "queues": _queues, "processes": _processes,
+                       "busy": _busy}[args.command](conn, args)
+    except redis_errors() as exc:
+        sys.stderr.write(f"forkq: cannot reach Redis at {client.mask_url(url)}: {exc}\n")
+        return 1
+    except redis.RedisError as exc:
+        sys.stderr.write(f"forkq: Redis at {client.mask_url(url)} answered with an error: "
+                         f"{type(exc).__name__}: {exc}\n")
+        return 1
+    _emit(args, data, table)
+    return 0
+
+
+def _emit(args: argparse.Namespace, data: object, table: list[str]) -> None:
+    import json
+    print(json.dumps(_strict(data), indent=2, default=str, allow_nan=False) if args.json
+          else "\n".join(table))
+
+
+def _strict(data: object) -> object:
+    """A copy with NaN and Infinity as null: Python's json reads them from any client's
+    payload (and a Redis score may be inf) and would write them back, but they are not
+    JSON, and jq or JSON.parse reading --json would refuse the whole output. A loop, not
+    recursion: a payload nested as deep as json.loads allows must not hit the stack limit."""
+    root: list[object] = [None]
+    todo: list[tuple[object, Any, Any]] = [(data, root, 0)]
+    while todo:
+        value, parent, key = todo.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            value = None
+        elif isinstance(value, dict):
+            copy: dict[Any, object] = dict.fromkeys(value)  # keeps the key order
+            todo += [(item, copy, k) for k, item in value.items()]
+            value = copy
+        elif isinstance(value, (list, tuple)):
+            items: list[object] = [None] * len(value)
+            todo += [(item, items, i) for i, item in enumerate(value)]
+            value = items
+        parent[key] = value
+    return root[0]
+
+
+def _table(header: list[str], rows: list[list[object]]) -> list[str]:
+    """Columns as wide as their widest cell; numbers right-aligned, text left-aligned."""
+    cells = [[str(c) for c in header]] + [["-" if c is None else _printable(str(c)) for c in row]
+                                          for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    numeric = [all(isinstance(row[i], (int, float)) for row in rows) and rows for i in range(len(header))]
+    def line(row: list[str]) -> str:
+        return "  ".join(c.rjust(w) if num else c.ljust(w)
+                         for c, w, num in zip(row, widths, numeric)).rstrip()
+    return [line(r) for r in cells]
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _printable(text: str) -> str:
+    """A cell as one line, with no terminal escapes: payloads and error messages are input."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.1f}s"
+
+
+def _stats(conn, args):
+    from dataclasses import asdict
+    from . import api
+    s = api.stats(conn, args.days)
+    data = asdict(s)
+    data["history"] = [{"day": d, "processed": p, "failed": f} for d, p, f in s.history]
+    table = _table(["processed", "failed", "enqueued", "scheduled", "retries", "dead", "processes"],
+                   [[s.processed, s.failed, s.enqueued, s.scheduled, s.retries, s.dead, s.processes]])
+    table += [""] + _table(["day (UTC)", "processed", "failed"], [list(h) for h in s.history])
+    return data, table
+
+
+def _queues(conn, args):
+    from dataclasses import asdict
+    from . import api
+    qs = api.queues(conn)
+    table = _table(["queue", "size", "latency"], [[q.name, q.size, _age(q.latency)] for q in qs])
+    return [asdict(q) for q in qs], table if qs else ["no queues"]
+
+
+def _processes(conn, args):
+    from dataclasses import asdict
+    from . import api
+    groups = api.processes(conn)
+    data = [{"master": g.master, "processes": [asdict(p) for p in g.processes]} for g in groups]
+    rows = []
+    for g in groups:
+        for p in g.processes:
+            rows.append([g.master or "(none)", p.slot, p.pid, f"{p.busy}/{p.concurrency or '?'}",
+                         f"{p.rss_kb / 1024:.1f}", _age(p.beat_age), "quiet" if p.quiet else "running",
+                         p.identity])
+    header = ["master", "slot", "pid", "busy", "rss MB", "heartbeat", "state", "identity"]
+    return data, _table(header, rows) if rows else ["no live processes"]
+
+
+def _enqueued_at(job: dict | None) -> float:
+    at = (job or {}).get("enqueued_at")
+    return float(at) if isinstance(at, (int, float)) else float("inf")
+
+
+def _busy(conn, args):
+    import json
+    import time
+    from . import api, payload
+    now = time.time()
+    # run_at is whole seconds (Sidekiq's format): among jobs started in the same second,
+    # the one enqueued first most likely started first
+    jobs = sorted(api.running(conn), key=lambda j: (j.run_at or now, _enqueued_at(j.job)))
+    data, rows = [], []
+    for j in jobs:
+        job = j.job or {}
+        took = now - j.run_at if j.run_at else None
+        name = payload.display_name(job) if job else None
+        data.append({"identity": j.identity, "thread": j.thread, "queue": j.queue, "jid": job.get("jid"),
+                     "class": name, "args": job.get("args"), "run_at": j.run_at, "running_for": took})
+        args_text = json.dumps(job.get("args"), default=str) if job else "(unreadable)"
+        rows.append([j.identity, j.queue, job.get("jid"), name, _age(took),
+                     args_text if len(args_text) <= 40 else args_text[:37] + "..."])
+    header = ["process", "queue", "jid", "class", "running", "args"]
+    return data, _table(header, rows) if rows else ["no jobs running"]
+
+
+def _set_command(conn, args: argparse.Namespace) -> int:
+    from . import api, keys
+    zset = api.SortedSet(conn, args.command)
+    where = api.matching(klass=args.klass, queue=args.queue, jid=args.jid,
+                         malformed=getattr(args, "malformed", False))
+    if args.action == "list":
+        import itertools
+        entries = list(itertools.islice(zset.entries(where), args.limit))
+        rows = [[_when(e.score), e.jid, e.klass, e.queue, _error(e)] for e in entries]
+        table = _table(["when (UTC)", "jid", "class", "queue", "error"], rows) if rows else [
+            f"no matching entries in {args.command}"]
+        _emit(args, [e.to_dict() for e in entries], table)
+        return 0
+    if getattr(args, "malformed", False) and args.action in ("retry", "retry-now", "run-now"):
+        sys.stderr.write(f"forkq: {args.action} --malformed: these entries are no runnable jobs; "
+                         f"list them, or delete them\n")
+        return 2
+    action = {"retry": zset.retry_now, "retry-now": zset.retry_now, "run-now": zset.retry_now,
+              "delete": zset.delete, "kill": zset.kill}[args.action]
+    dead_before = api.dead(conn).size() if args.action == "kill" else 0
+    if args.jid:
+        entry = zset.find(args.jid)
+        if entry is None:
+            sys.stderr.write(f"forkq: no entry with jid {args.jid} in {args.command}\n")
+            return 1
+        count = action([entry])
+        if count == 0 and args.action not in ("delete", "kill"):
+            sys.stderr.write(f"forkq: could not {args.action} jid {args.jid}: it is no runnable job "
+                             "(a malformed entry, no valid queue name, or NaN/Infinity in it; "
+                             "see `list --json`)\n")
+            return 1
+    else:
+        count = zset.apply(action, None if args.all else where)
+    data: dict[str, object] = {"set": args.command, "action": args.action, "count": count}
+    line = f"{args.action}: {count} entr{'y' if count == 1 else 'ies'} of {args.command}"
+    if args.action == "kill":
+        # the dead set is trimmed as Sidekiq trims it, so a big kill does not leave all it
+        # moved there: say how many are gone rather than let the count promise them
+        data["dropped"] = dropped = max(0, dead_before + count - api.dead(conn).size())
+        line += " moved to dead"
+        if dropped:
+            line += (f", which keeps only its newest {keys.DEAD_MAX_JOBS - 1:,} entries (none older than "
+                     f"{keys.DEAD_TIMEOUT_S // 86400} days): its {dropped:,} oldest were dropped")
+    _emit(args, data, [line])
+    return 0
+
+
+def _when(score: float) -> str:
+    from datetime import datetime, timezone
+    try:
+        return datetime.fromtimestamp(score, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, OSError, ValueError):
+        return str(score)
+
+
+def _error(entry) -> str:
+    job = entry.job or {}
+    if not job.get("error_class"):
+        return "" if entry.job is not None else "(unparseable entry)"
+    text = f"{job['error_class']}: {job.get('error_message', '')}"
+    return text if len(text) <= 60 else text[:57] + "..."
