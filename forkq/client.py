@@ -13,7 +13,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import redis
 
 from . import keys, payload, wire
-from .errors import RedisUnavailable
+from .errors import ConfigError, RedisUnavailable
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_TIMEOUT_S = 5.0
@@ -24,7 +24,17 @@ ClientMiddleware = Callable[[dict[str, Any]], "dict[str, Any] | None"]
 
 
 def redis_url(url: str | None = None) -> str:
-    return url or os.environ.get("FORKQ_REDIS_URL") or DEFAULT_URL
+    """`url`, else FORKQ_REDIS_URL, else the local default. Either given empty is refused,
+    as the CLI refuses it: an empty secret or template must not mean localhost, where
+    jobs would be pushed to a Redis no worker reads."""
+    name = "url"
+    if url is None:
+        url, name = os.environ.get("FORKQ_REDIS_URL"), "FORKQ_REDIS_URL"
+        if url is None:
+            return DEFAULT_URL
+    if not url.strip():
+        raise ConfigError(f"{name}={url!r}: must not be empty (leave it out for the default)")
+    return url
 
 
 def mask_url(url: str) -> str:

@@ -382,6 +382,25 @@ def test_configure_sets_the_default_clients_middleware(redis_url, r):
 # -- connections --------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("url, env", [("", None), ("  ", None), (None, ""), (None, " ")])
+def test_an_empty_url_or_forkq_redis_url_is_refused_not_taken_for_localhost(url, env, monkeypatch):
+    # a Kubernetes secret that resolved to nothing: pushing to 127.0.0.1:6379 would put the
+    # jobs where no worker reads them (or fail later, far from the cause)
+    monkeypatch.delenv("FORKQ_REDIS_URL", raising=False)
+    if env is not None:
+        monkeypatch.setenv("FORKQ_REDIS_URL", env)
+    with pytest.raises(forkq.ConfigError, match="must not be empty"):
+        forkq.Client(url)
+
+
+@pytest.mark.timeout(30)
+def test_forkq_redis_url_picks_the_server_of_a_client_given_none(redis_url, r, monkeypatch):
+    monkeypatch.setenv("FORKQ_REDIS_URL", redis_url)
+    forkq.Client().push("Anything", [1])
+    assert [j["args"] for j in _queue(r)] == [[1]]
+
+
 def test_two_clients_push_to_two_servers(forkq_client, r, own_redis):
     other = forkq.Client(own_redis.url)
     here = core_jobs.record.enqueue("here")
