@@ -336,11 +336,14 @@ def _shown(o: Option, raw: Any) -> str:
 def describe(settings: Settings, sources: dict[str, str]) -> str:
     """--print-config: every setting, its value (passwords masked) and its source."""
     from .client import mask_url, redis_url
+    from .control import default_pidfile
     lines = []
     for o in OPTIONS:
         value = getattr(settings, o.field)
         if o.field == "redis_url":
             value = mask_url(redis_url(value))
+        elif o.field == "pidfile" and value is None:
+            value = default_pidfile()
         elif o.field == "queues":
             value = [f"{n},{w}" if w else n for n, w in value]
         lines.append(f"{o.name:20} = {value!r:40} # {sources[o.field]}")

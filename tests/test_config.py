@@ -17,6 +17,7 @@ import ast
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -242,6 +243,14 @@ redis_url = "%s"
     assert got["poll-interval"] == (5.0, "default")
     assert got["redis-url"] == ("redis://forkquser:***@127.0.0.1:6399/0", "pyproject.toml")
     assert SECRET not in out.stdout + out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_print_config_names_the_pidfile_start_would_use_when_none_is_set(tmp_path, start_inproc):
+    got = parse_config(start_inproc())
+    assert got["pidfile"] == (os.path.join(tempfile.gettempdir(), "forkq.pid"), "default")
+    got = parse_config(start_inproc(env={"FORKQ_PIDFILE": str(tmp_path / "m.pid")}))
+    assert got["pidfile"] == (str(tmp_path / "m.pid"), "env")
 
 
 @pytest.mark.timeout(30)
