@@ -5,6 +5,11 @@ Everything here reads Sidekiq's own keys, so it works the same on jobs Ruby Side
 It never uses KEYS (it would block Redis on a big database): queues come from the `queues`
 set, processes from the `processes` set, and the sorted sets are read by rank in pages, so
 a dead set of 10,000 entries is never loaded at once.
+
+Crash suspects (forkq's own `forkq:suspects:QUEUE` lists) are counted for the queues of the
+`queues` set, next to their sizes: not SCANned for, so suspects of a queue someone removed
+from that set (Sidekiq's "delete queue") are counted nowhere, though `Suspects(conn, name)`
+still reads them.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Self
 
 import redis
 
@@ -42,6 +47,9 @@ class QueueInfo:
     name: str
     size: int
     latency: float  # seconds the next job to run has waited; 0 when empty or unknown
+    # jobs held by a process that crashed, waiting on the queue's suspects list to run one at
+    # a time, each alone; not counted in `size` (a worker takes them before the queue)
+    suspects: int = 0
 
 
 def _latency(raw: bytes | None, now: float) -> float:
@@ -58,8 +66,8 @@ def _latency(raw: bytes | None, now: float) -> float:
 
 
 def queues(conn: redis.Redis) -> list[QueueInfo]:
-    """Every queue in the `queues` set with its length and latency (two commands a queue,
-    in one round trip)."""
+    """Every queue in the `queues` set with its length, latency and crash suspects (three
+    commands a queue, in one round trip)."""
     names = sorted(_text(n) for n in conn.smembers(keys.QUEUES))
     if not names:
         return []
@@ -67,9 +75,11 @@ def queues(conn: redis.Redis) -> list[QueueInfo]:
     for name in names:
         pipe.llen(keys.queue(name))
         pipe.lindex(keys.queue(name), -1)
+        pipe.llen(keys.suspects(name))
     replies = pipe.execute()
     now = time.time()
-    return [QueueInfo(name, int(replies[2 * i]), _latency(replies[2 * i + 1], now))
+    return [QueueInfo(name, int(replies[3 * i]), _latency(replies[3 * i + 1], now),
+                      int(replies[3 * i + 2]))
             for i, name in enumerate(names)]
 
 
@@ -226,7 +236,7 @@ class Entry:
     job: dict[str, Any] | None = field(default=None)
 
     @classmethod
-    def of(cls, raw: bytes, score: float) -> "Entry":
+    def of(cls, raw: bytes, score: float) -> Self:
         try:
             job: dict[str, Any] | None = payload.parse(raw)
         except MalformedPayload:
@@ -405,6 +415,51 @@ def dead(conn: redis.Redis, page_size: int = DEFAULT_PAGE) -> SortedSet:
     return SortedSet(conn, keys.DEAD, page_size)
 
 
+# -- crash suspects ---------------------------------------------------------------------
+
+
+@dataclass
+class Suspect(Entry):
+    """A crash suspect: `score` is its index on the suspects list, `crashes` the deaths it
+    was in flight for (forkq:crashes:JID; 0 once that count expired, or with no jid)."""
+    crashes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "crashes": self.crashes}
+
+
+class Suspects:
+    """A queue's crash suspects (read-only). Workers RPOP them, so the highest index runs
+    next; pages here start from that end, as an operator asks "what runs next"."""
+
+    def __init__(self, conn: redis.Redis, name: str) -> None:
+        self.redis = conn
+        self.name = name
+        self.key = keys.suspects(name)
+
+    def size(self) -> int:
+        return int(self.redis.llen(self.key))
+
+    def page(self, offset: int, count: int) -> list[Suspect]:
+        """`count` suspects from `offset`, counted from the next to run, with their crash
+        counts: LLEN and LRANGE in one transaction (so the indices agree), then one MGET."""
+        if count < 1:
+            return []
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.llen(self.key)
+        pipe.lrange(self.key, -offset - count, -offset - 1)
+        size, rows = pipe.execute()
+        first = max(0, int(size) - offset - count)  # the index of rows[0]
+        out = [Suspect.of(raw, float(first + i)) for i, raw in reversed(list(enumerate(rows)))]
+        jids = [s.jid for s in out if isinstance(s.jid, str)]
+        if jids:
+            counts = dict(zip(jids, self.redis.mget([keys.CRASH_PREFIX + j for j in jids])))
+            for s in out:
+                value = counts.get(s.jid) if isinstance(s.jid, str) else None
+                s.crashes = int(value) if value and value.isdigit() else 0
+        return out
+
+
 # -- stats ------------------------------------------------------------------------------
 
 
@@ -419,6 +474,8 @@ class Stats:
     processes: int
     # (UTC day "YYYY-MM-DD", processed, failed), today first
     history: list[tuple[str, int, int]]
+    # crash suspects of the queues in the `queues` set (not part of `enqueued`)
+    suspects: int = 0
 
 
 def _days(count: int, today: datetime | None = None) -> list[str]:
@@ -427,8 +484,8 @@ def _days(count: int, today: datetime | None = None) -> list[str]:
 
 
 def stats(conn: redis.Redis, days: int = 7) -> Stats:
-    """Sidekiq's totals and the per-day counters of the last `days` UTC days, in two round
-    trips (queue lengths need the queue names first)."""
+    """Sidekiq's totals, forkq's crash suspects and the per-day counters of the last `days`
+    UTC days, in two round trips (queue lengths need the queue names first)."""
     names = [_text(n) for n in conn.smembers(keys.QUEUES)]
     day_names = _days(max(days, 0))
     pipe = conn.pipeline(transaction=False)
@@ -438,15 +495,19 @@ def stats(conn: redis.Redis, days: int = 7) -> Stats:
     pipe.scard(keys.PROCESSES)
     for name in names:
         pipe.llen(keys.queue(name))
+    for name in names:
+        pipe.llen(keys.suspects(name))
     if day_names:
         pipe.mget([keys.stat_day("processed", d) for d in day_names])
         pipe.mget([keys.stat_day("failed", d) for d in day_names])
     replies = pipe.execute()
     (processed, failed), scheduled, retry, dead_, procs = replies[:5]
     lengths = replies[5:5 + len(names)]
+    suspects = replies[5 + len(names):5 + 2 * len(names)]
     history: list[tuple[str, int, int]] = []
     if day_names:
         done, fails = replies[-2], replies[-1]
         history = [(d, int(p or 0), int(f or 0)) for d, p, f in zip(day_names, done, fails)]
     return Stats(int(processed or 0), int(failed or 0), sum(int(n) for n in lengths),
-                 int(scheduled), int(retry), int(dead_), int(procs), history)
+                 int(scheduled), int(retry), int(dead_), int(procs), history,
+                 sum(int(n) for n in suspects))

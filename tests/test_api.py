@@ -167,3 +167,39 @@ def test_processes_grouped_by_master_and_running_jobs(r, redis_url, start_master
     (run,) = api.running(conn)
     assert run.identity == "rubyhost:99:abcdefabcdef" and run.job["jid"] == job["jid"]
     assert run.run_at == 1700000000 and run.queue == "default"
+
+
+@pytest.mark.timeout(20)
+def test_crash_suspects_counted_per_queue_and_in_stats_and_listed_next_first(r, redis_url):
+    from forkq import fetch, keys
+    from forkq.queues import QueueOrder
+    c = forkq.Client(redis_url)
+    jids = [c.push("Crashy", [i], queue="mail") for i in range(3)]
+    c.push("Calm", [9], queue="mail")
+    c.push("Other", [1], queue="idle")
+    # as a child's death makes them: claimed into a process's in-flight hash, then
+    # requeued as crashed by the real script (a crash count raised for each)
+    held = fetch.ReliableFetch(r, "dead-child", QueueOrder([("mail", 0)]), direct=False)
+    held.register()
+    assert [json.loads(u.raw)["jid"] for u in held.fetch(3)] == jids
+    assert fetch.requeue_owner_counts(r, "dead-child", ["mail"], crashed=True).suspects == 3
+    r.incr(keys.CRASH_PREFIX + jids[0])  # the first one was in flight in an earlier death too
+    # garbage on a suspects list is shown, not crashed on; a queue out of the `queues` set
+    # is not counted (no SCAN), but its suspects can still be read by name
+    r.rpush(keys.suspects("idle"), b"not a job")
+    r.lpush(keys.suspects("unlisted"), json.dumps({"class": "X", "args": [], "jid": "u" * 24}))
+    conn = api.connect()
+    got = {q.name: (q.size, q.suspects) for q in api.queues(conn)}
+    assert got == {"mail": (1, 3), "idle": (1, 1)}
+    s = api.stats(conn, days=1)
+    assert (s.enqueued, s.suspects) == (2, 4)
+
+    listed = api.Suspects(conn, "mail").page(0, 10)
+    # the oldest claim runs first (RPOP): the next to run is listed first
+    assert [(e.jid, e.crashes, e.score) for e in listed] == [(jids[0], 2, 2.0), (jids[1], 1, 1.0),
+                                                              (jids[2], 1, 0.0)]
+    assert [e.jid for e in api.Suspects(conn, "mail").page(1, 1)] == [jids[1]]
+    assert listed[0].to_dict()["crashes"] == 2 and listed[0].klass == "Crashy"
+    garbage = api.Suspects(conn, "idle").page(0, 10)
+    assert [(e.job, e.crashes) for e in garbage] == [(None, 0)]
+    assert api.Suspects(conn, "unlisted").size() == 1
