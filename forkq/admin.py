@@ -31,9 +31,9 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     common.add_argument("--redis-url", default=None, type=_flag_type(config.BY_KEY["redis_url"]),
                         help="Redis URL [env FORKQ_REDIS_URL]")
     common.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
-    p = sub.add_parser("stats", parents=[common], help="processed/failed totals, set sizes, daily history")
+    p = sub.add_parser("stats", parents=[common], help="processed/failed totals, set sizes, crash suspects, daily history")
     p.add_argument("--days", type=whole_number("--days", 1, 3660), default=7, help="days of history (default 7)")
-    sub.add_parser("queues", parents=[common], help="each queue: size and latency")
+    sub.add_parser("queues", parents=[common], help="each queue: size, crash suspects and latency")
     sub.add_parser("processes", parents=[common], help="live processes grouped by master")
     sub.add_parser("busy", parents=[common], help="the jobs running now, longest-running first")
     for name, actions in SET_ACTIONS.items():
@@ -149,8 +149,9 @@ def _stats(conn, args):
     s = api.stats(conn, args.days)
     data = asdict(s)
     data["history"] = [{"day": d, "processed": p, "failed": f} for d, p, f in s.history]
-    table = _table(["processed", "failed", "enqueued", "scheduled", "retries", "dead", "processes"],
-                   [[s.processed, s.failed, s.enqueued, s.scheduled, s.retries, s.dead, s.processes]])
+    table = _table(["processed", "failed", "enqueued", "suspects", "scheduled", "retries", "dead",
+                    "processes"], [[s.processed, s.failed, s.enqueued, s.suspects, s.scheduled,
+                                    s.retries, s.dead, s.processes]])
     table += [""] + _table(["day (UTC)", "processed", "failed"], [list(h) for h in s.history])
     return data, table
 
@@ -159,7 +160,8 @@ def _queues(conn, args):
     from dataclasses import asdict
     from . import api
     qs = api.queues(conn)
-    table = _table(["queue", "size", "latency"], [[q.name, q.size, _age(q.latency)] for q in qs])
+    table = _table(["queue", "size", "suspects", "latency"],
+                   [[q.name, q.size, q.suspects, _age(q.latency)] for q in qs])
     return [asdict(q) for q in qs], table if qs else ["no queues"]
 
 

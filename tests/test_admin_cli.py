@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import forkq
-from forkq import api
+from forkq import api, keys
 from corekit import queued, workers  # noqa: F401  (a fixture)
 from helpers import wait_until
 from test_api import fill, sk_job
@@ -43,18 +43,23 @@ def test_stats_and_queues_json_match_the_api_and_tables_print(r, redis_url):
     c.push("B", [], queue="beta")
     r.set("stat:processed", 12)
     fill(r, "dead", [sk_job(i) for i in range(3)])
+    # two jobs of beta wait as crash suspects (a dead child's jobs, as requeue_all leaves them)
+    r.lpush(keys.suspects("beta"), json.dumps(sk_job(7, queue="beta")), json.dumps(sk_job(8, queue="beta")))
     stats = ok_json("stats", "--days", "2")
     s = api.stats(api.connect(), 2)
-    assert (stats["processed"], stats["enqueued"], stats["dead"]) == (12, 3, 3) == (s.processed, s.enqueued, s.dead)
+    assert (stats["processed"], stats["enqueued"], stats["dead"], stats["suspects"]) == (12, 3, 3, 2) \
+        == (s.processed, s.enqueued, s.dead, s.suspects)
     assert [h["day"] for h in stats["history"]] == [d for d, _, _ in s.history]
     qs = ok_json("queues")
-    assert [(q["name"], q["size"]) for q in qs] == [(q.name, q.size) for q in api.queues(api.connect())]
+    assert [(q["name"], q["size"], q["suspects"]) for q in qs] == [("alpha", 2, 0), ("beta", 1, 2)] \
+        == [(q.name, q.size, q.suspects) for q in api.queues(api.connect())]
     table = run("queues")
     assert table.returncode == 0
     lines = table.stdout.splitlines()
-    assert lines[0].split() == ["queue", "size", "latency"]
-    assert lines[1].split()[:2] == ["alpha", "2"] and lines[2].split()[:2] == ["beta", "1"]
-    assert "processed" in run("stats").stdout
+    assert lines[0].split() == ["queue", "size", "suspects", "latency"]
+    assert lines[1].split()[:3] == ["alpha", "2", "0"] and lines[2].split()[:3] == ["beta", "1", "2"]
+    totals = run("stats").stdout.splitlines()
+    assert dict(zip(totals[0].split(), totals[1].split()))["suspects"] == "2"
 
 
 @pytest.mark.timeout(30)
