@@ -9,8 +9,9 @@ respawns, and a child that dies loses at most its last unsent second.
 The master keeps those sums next to what it knows itself (children, busy threads, RSS,
 restarts, requeues, poison jobs) and answers `GET /metrics` from its own select loop:
 no thread in the master, so nothing of an HTTP server is half-held when it forks. Queue
-sizes and latencies are read from Redis at scrape time with a short timeout; when Redis
-does not answer, the scrape leaves them out for a while and answers with the rest.
+sizes, latencies and crash suspects are read from Redis at scrape time, in one round trip
+with a short timeout; when Redis does not answer, the scrape leaves them out for a while
+and answers with the rest.
 """
 
 from __future__ import annotations
@@ -312,14 +313,24 @@ class Collector:
         yield GaugeMetricFamily("forkq_redis_up", "1 if the queue sizes below were read from Redis "
                                 "at this scrape, 0 if Redis did not answer (or is being left alone "
                                 "after it did not)", value=0 if found is None else 1)
-        size = GaugeMetricFamily("forkq_queue_size", "Jobs waiting in each queue", labels=["queue"])
+        # Redis-wide, so every master exports the same values: the help says how to add them
+        # up, as a dashboard author reads it where the metric is
+        same = " (the same on every master: aggregate with max by (queue), not sum)"
+        size = GaugeMetricFamily("forkq_queue_size", "Jobs waiting in each queue" + same,
+                                 labels=["queue"])
         latency = GaugeMetricFamily("forkq_queue_latency_seconds",
-                                    "How long the next job of each queue has waited", labels=["queue"])
+                                    "How long the next job of each queue has waited" + same,
+                                    labels=["queue"])
+        suspects = GaugeMetricFamily("forkq_queue_suspects", "Jobs of each queue a crashed process "
+                                     "held, waiting to run one at a time, alone" + same,
+                                     labels=["queue"])
         for q in found or []:
             size.add_metric([q.name], q.size)
             latency.add_metric([q.name], q.latency)
+            suspects.add_metric([q.name], q.suspects)
         yield size
         yield latency
+        yield suspects
 
 
 def _le(bound: float) -> str:

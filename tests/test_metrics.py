@@ -26,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import forkq
-from forkq import metrics
+from forkq import keys, metrics
 from helpers import free_port, wait_until
 from test_supervisor import REPO_ROOT, Master, start_master  # noqa: F401  (fixture)
 
@@ -141,6 +141,9 @@ def test_busy_threads_and_queue_size_and_latency(start_master, redis_url, r):
     client.push_bulk("metrics.hold", [[30]] * 2)
     # a backlog on a queue nobody works: its size and age are read from Redis at each scrape
     client.push_bulk("metrics.ok", [[0]] * 25, queue="backlog")
+    # and two of its jobs wait as crash suspects, which nobody runs either
+    r.lpush(keys.suspects("backlog"), *[json.dumps({"class": "metrics.ok", "args": [0], "jid": j * 24,
+                                                    "queue": "backlog"}) for j in "ab"])
 
     def busy():
         s = scrape(port)
@@ -148,6 +151,8 @@ def test_busy_threads_and_queue_size_and_latency(start_master, redis_url, r):
     s = wait_until(busy, timeout=10, interval=0.05, message=f"2 busy threads\n{m.tail()}")
     assert value(s, "forkq_queue_size", queue="backlog") == 25
     assert value(s, "forkq_queue_size", queue="default") == 0
+    assert value(s, "forkq_queue_suspects", queue="backlog") == 2
+    assert value(s, "forkq_queue_suspects", queue="default") == 0
     assert value(s, "forkq_redis_up") == 1
     first = value(s, "forkq_queue_latency_seconds", queue="backlog")
     assert 0 <= first < 30
