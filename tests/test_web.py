@@ -20,6 +20,7 @@ from urllib.parse import quote
 import pytest
 
 import forkq
+from forkq import keys
 from corekit import workers  # noqa: F401  (a fixture)
 from helpers import wait_until
 from test_ctl import start_master  # noqa: F401  (a fixture)
@@ -359,6 +360,43 @@ def test_a_queue_page_pages_through_its_jobs_and_never_reads_the_whole_list(brow
     fill(r, "dead", [dead_job(1, queue="mail")])
     assert '<td><a href="/queues/mail">mail</a></td>' in browser.get("/dead").text
     assert '<a href="/queues/other">other</a>' in browser.get("/").text
+
+
+@pytest.mark.timeout(30)
+def test_crash_suspects_are_counted_per_queue_and_listed_escaped_on_the_queue_page(browser, r, redis_url):
+    c = forkq.Client(redis_url)
+    queued = c.push("app.Mail", [1], queue="mail")
+    c.push("app.Other", [1], queue="other")
+    assert "Suspects" not in browser.get("/queues").text  # no column while there are none
+    # as a dead child leaves them: on the queue's suspects list, each with a crash count
+    hostile = {"class": HOSTILE, "args": [HOSTILE], "jid": "a" * 24, "queue": "mail", "enqueued_at": 1700000000.0}
+    plain = {"class": "app.Mail", "args": [2], "jid": "b" * 24, "queue": "mail", "enqueued_at": 1700000000.0}
+    r.lpush(keys.suspects("mail"), json.dumps(plain), json.dumps(hostile))
+    r.set(keys.CRASH_PREFIX + "b" * 24, 2)
+    r.set(keys.CRASH_PREFIX + "a" * 24, 1)
+    r.lpush(keys.suspects("gone"), json.dumps(dict(plain, queue="gone")))  # not in `queues`
+
+    row = r'<td><a href="/queues/{}">{}</a></td><td class="num">1</td><td class="num{}">{}</td>'
+    overview = browser.get("/").text
+    assert '<table id="queue-table">' in overview  # the column is not hidden
+    assert re.search(row.format("mail", "mail", " suspects", 2), overview), overview
+    assert re.search(row.format("other", "other", " suspects", 0), overview)
+    listing = browser.get("/queues").text
+    assert re.search(row.format("mail", "mail", "", 2), listing), listing
+    stats = browser.get("/stats.json").json()
+    assert stats["suspects"] == 2 and {q["name"]: q["suspects"] for q in stats["queues"]} == {"mail": 2, "other": 0}
+
+    page = browser.get("/queues/mail")
+    assert '<a href="#suspects">2 crash suspects</a>' in page.text
+    # next to run first (the rightmost), each with its crash count; payload text escaped
+    assert re.findall(r'<tr data-suspect="([^"]*)"', page.text) == ["b" * 24, "a" * 24]
+    assert re.findall(r'<td class="num">(\d+)</td>\s*</tr>', page.text) == ["2", "1"]
+    assert "<script>alert" not in page.text and "&lt;script&gt;alert(" in page.text
+    assert jids_on(page) == [queued]  # the queued job, listed apart
+    # a queue someone took out of the `queues` set still shows the suspects it has left
+    gone = browser.get("/queues/gone")
+    assert gone.status == 200 and "1 crash suspect</a>" in gone.text
+    assert browser.get("/queues/nosuch").status == 404
 
 
 @pytest.mark.timeout(30)

@@ -102,15 +102,25 @@ def test_overview_chart_gets_data_points_and_shows_the_rate(chrome, web, r):
 def test_overview_queue_table_follows_redis_and_treats_names_as_text(chrome, web, r, redis_url):
     from selenium.webdriver.common.by import By
     import forkq
+    from forkq import keys
     chrome.get(web.base + "/")
     name = "<b>late</b>"
     forkq.Client(redis_url).push("Anything", [1], queue=name)
 
-    def row_shown():
-        cells = [c.text for c in chrome.find_elements(By.CSS_SELECTOR, "#queue-rows td")]
-        return cells[:2] == [name, "1"]
-    wait_until(row_shown, timeout=15, interval=0.2, message="the new queue in the live table")
+    def cells() -> list[str]:
+        # read in one script: the poll replaces the rows every 2 s, so cells found in one
+        # call may be gone (stale) by the next
+        return chrome.execute_script(
+            "return Array.from(document.querySelectorAll('#queue-rows td'), td => td.textContent)")
+    wait_until(lambda: cells()[:2] == [name, "1"], timeout=15, interval=0.2,
+               message="the new queue in the live table")
     assert chrome.find_elements(By.CSS_SELECTOR, "#queue-rows b") == []
+    # the Suspects column stays hidden until a queue has crash suspects, then shows live
+    column = chrome.find_element(By.CSS_SELECTOR, "#queue-table th.suspects")  # not redrawn
+    assert not column.is_displayed()
+    r.lpush(keys.suspects(name), json.dumps({"class": "Anything", "args": [2], "jid": "s" * 24}))
+    wait_until(lambda: column.is_displayed() and cells()[:3] == [name, "1", "1"], timeout=15,
+               interval=0.2, message="the Suspects column in the live table")
 
 
 @pytest.mark.timeout(60)

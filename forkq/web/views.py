@@ -56,12 +56,12 @@ def stats_json(dash: "Dashboard", req: Request) -> Response:
     busy = sum(p.busy for g in api.processes(conn) for p in g.processes)
     _, today_processed, today_failed = s.history[0]
     return Response.json({"time": time.time(), "processed": s.processed, "failed": s.failed,
-                          "enqueued": s.enqueued, "scheduled": s.scheduled,
+                          "enqueued": s.enqueued, "suspects": s.suspects, "scheduled": s.scheduled,
                           "retries": s.retries, "dead": s.dead, "processes": s.processes,
                           "busy": busy, "today_processed": today_processed,
                           "today_failed": today_failed,
-                          "queues": [{"name": q.name, "size": q.size, "latency": q.latency}
-                                     for q in api.queues(conn)]})
+                          "queues": [{"name": q.name, "size": q.size, "suspects": q.suspects,
+                                      "latency": q.latency} for q in api.queues(conn)]})
 
 
 def processes(dash: "Dashboard", req: Request) -> Response:
@@ -145,18 +145,25 @@ def queues_page(dash: "Dashboard", req: Request) -> Response:
 
 def queue_page(dash: "Dashboard", req: Request, name: str) -> Response:
     """One queue's jobs in pages, newest first as Sidekiq shows them, or with
-    ?direction=asc the next to run first."""
-    queue = api.Queue(dash.redis(), name)
+    ?direction=asc the next to run first; then its crash suspects, if any wait."""
+    conn = dash.redis()
+    queue = api.Queue(conn, name)
     total = queue.size()
-    if not total and not queue.listed():
+    # a queue out of the `queues` set whose crash suspects still wait is shown, not a 404
+    suspects = api.Suspects(conn, name)
+    suspect_total = suspects.size()
+    if not total and not suspect_total and not queue.listed():
         return dash.render(req, "error.html", status="404 Not Found", back=("/queues", "Queues"),
                            message=f"There is no queue named {visible(capped(name, 200))}.")
     pages = max(1, math.ceil(total / dash.page_size))
     page = min(req.int_arg("page"), pages)
     next_first = req.arg("direction") == "asc"
     entries = queue.page((page - 1) * dash.page_size, dash.page_size, next_first)
+    # the first page of them only: suspects are few, and they leave as workers take them
+    shown = suspects.page(0, dash.page_size) if suspect_total else []
     return dash.render(req, "queue.html", name=name, entries=entries, total=total, page=page,
-                       pages=pages, next_first=next_first, key=queued_key, now=time.time())
+                       pages=pages, next_first=next_first, key=queued_key, now=time.time(),
+                       suspects=shown, suspect_total=suspect_total)
 
 
 def queue_action(dash: "Dashboard", req: Request, name: str) -> Response:

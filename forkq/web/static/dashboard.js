@@ -44,11 +44,15 @@ document.addEventListener("DOMContentLoaded", function () {
     var body = document.getElementById("queue-rows");
     if (!body) return;
     var root = document.body.getAttribute("data-root");
+    // the Suspects column shows while any queue has crash suspects
+    var any = queues.some(function (q) { return q.suspects > 0; });
+    document.getElementById("queue-table").classList.toggle("no-suspects", !any);
     var rows = queues.map(function (q) {
       var tr = document.createElement("tr");
-      [q.name, q.size.toLocaleString(), age(q.latency)].forEach(function (text, i) {
+      var cells = [q.name, q.size.toLocaleString(), (q.suspects || 0).toLocaleString(), age(q.latency)];
+      cells.forEach(function (text, i) {
         var td = document.createElement("td");
-        if (i > 0) td.className = "num";
+        if (i > 0) td.className = i === 2 ? "num suspects" : "num";
         var cell = td;
         if (i === 0) {  // the name links to the queue's page, as the server-drawn table does
           cell = document.createElement("a");
