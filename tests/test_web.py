@@ -429,6 +429,19 @@ def test_deleting_a_queued_job_removes_exactly_that_job_even_after_the_queue_mov
     assert r.llen("queue:" + name) == 23
 
 
+
+@pytest.mark.timeout(30)
+def test_a_queued_job_pushed_far_past_its_page_is_still_found_and_deleted(browser, r, redis_url):
+    c = forkq.Client(redis_url)
+    target = c.push("app.Mail", ["target"], queue="busy")
+    page = browser.get("/queues/busy")
+    button = re.search(r'name="do" value="(delete\|[^"]+)"', page.text).group(1)
+    # a busy queue: 5,000 newer jobs since the page was read, past the lookup's first window
+    c.push_bulk("app.Mail", [[i] for i in range(5_000)], queue="busy")
+    assert browser.post("/queues/busy", {"do": button}, csrf=page.csrf).status == 303
+    left = [json.loads(raw)["jid"] for raw in r.lrange("queue:busy", 0, -1)]
+    assert len(left) == 5_000 and target not in left
+
 # -- state changes: POST + CSRF -------------------------------------------------------
 
 

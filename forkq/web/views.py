@@ -122,8 +122,11 @@ def queued_key(entry: api.Entry) -> str:
 
 
 # how far past its old index a queued job is looked for: a job's index from the left
-# grows by one with every job pushed after the page was read
+# grows by one with every job pushed after the page was read. Past the window the search
+# goes on in raw chunks (no parsing) up to QUEUE_SEARCH_MAX entries: a click on a busy
+# queue's page must still find its job, and must not read a queue of millions whole.
 QUEUE_SLACK_BEFORE, QUEUE_SLACK_AFTER = 100, 1_000
+QUEUE_SEARCH_CHUNK, QUEUE_SEARCH_MAX = 2_000, 200_000
 
 
 def _lookup_queued(queue: api.Queue, key: str) -> api.Entry | None:
@@ -136,6 +139,17 @@ def _lookup_queued(queue: api.Queue, key: str) -> api.Entry | None:
     for entry in queue.page(start, index - start + QUEUE_SLACK_AFTER):
         if _digest(entry.raw) == digest:
             return entry
+    # pushes moved it further right (a job only moves left when one before it is removed,
+    # and the window's slack covers that)
+    at = index + QUEUE_SLACK_AFTER
+    while at < index + QUEUE_SEARCH_MAX:
+        rows = queue.redis.lrange(queue.key, at, at + QUEUE_SEARCH_CHUNK - 1)
+        for i, raw in enumerate(rows):
+            if _digest(raw) == digest:
+                return api.Entry.of(raw, float(at + i))
+        if len(rows) < QUEUE_SEARCH_CHUNK:
+            return None
+        at += len(rows)
     return None
 
 
@@ -168,7 +182,8 @@ def queue_page(dash: "Dashboard", req: Request, name: str) -> Response:
 
 def queue_action(dash: "Dashboard", req: Request, name: str) -> Response:
     """The Delete button of one queued job: do=delete|KEY. It removes exactly the bytes it
-    finds under KEY; a job that has run (or moved too far) meanwhile is not found."""
+    finds under KEY; a job that has run meanwhile (or was pushed past QUEUE_SEARCH_MAX
+    newer jobs) is not found."""
     action, _, key = req.field("do").partition("|")
     if action != "delete":
         raise BadRequest(f"unknown action {action!r} for a queue")
