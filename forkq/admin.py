@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from . import config
-from .cli import ArgumentParser, _flag_type, redis_errors, whole_number
+from .cli import ArgumentParser, _flag_type, nonempty, redis_errors, whole_number
 from .errors import ConfigError
 
 
@@ -36,6 +36,11 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     sub.add_parser("queues", parents=[common], help="each queue: size, crash suspects and latency")
     sub.add_parser("processes", parents=[common], help="live processes grouped by master")
     sub.add_parser("busy", parents=[common], help="the jobs running now, longest-running first")
+    p = sub.add_parser("suspects", parents=[common],
+                       help="a queue's crash suspects, next to run first, with their crash counts")
+    p.add_argument("queue", type=nonempty, help="the queue whose suspects to list")
+    p.add_argument("--limit", type=whole_number("--limit"), default=100,
+                   help="show at most this many (default 100)")
     for name, actions in SET_ACTIONS.items():
         p = sub.add_parser(name, help=f"list or act on the {name} set")
         verbs = p.add_subparsers(dest="action", required=True, parser_class=ArgumentParser)
@@ -56,7 +61,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
             pick.add_argument("--malformed", action="store_true", help=MALFORMED_HELP)
 
 
-COMMANDS = ("stats", "queues", "processes", "busy", *SET_ACTIONS)
+COMMANDS = ("stats", "queues", "processes", "busy", "suspects", *SET_ACTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         if args.command in SET_ACTIONS:
             return _set_command(conn, args)
         data, table = {"stats": _stats, "queues": _queues, "processes": _processes,
-                       "busy": _busy}[args.command](conn, args)
+                       "busy": _busy, "suspects": _suspects}[args.command](conn, args)
     except redis_errors() as exc:
         sys.stderr.write(f"forkq: cannot reach Redis at {client.mask_url(url)}: {exc}\n")
         return 1
@@ -180,13 +185,31 @@ def _processes(conn, args):
     return data, _table(header, rows) if rows else ["no live processes"]
 
 
+def _suspects(conn, args):
+    from . import api
+    suspects = api.Suspects(conn, args.queue)
+    shown = suspects.page(0, args.limit)
+    rows = [[e.jid, e.klass, e.crashes, _args_text(e.job)] for e in shown]
+    total = suspects.size()
+    table = _table(["jid", "class", "crashes", "args"], rows) if rows else [
+        f"no crash suspects wait for queue {args.queue!r}"]
+    if total > len(shown):
+        table.append(f"({len(shown)} of {total:,}; --limit shows more)")
+    return [e.to_dict() for e in shown], table
+
+
+def _args_text(job: dict | None) -> str:
+    import json
+    text = json.dumps(job.get("args"), default=str) if job else "(unreadable)"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _enqueued_at(job: dict | None) -> float:
     at = (job or {}).get("enqueued_at")
     return float(at) if isinstance(at, (int, float)) else float("inf")
 
 
 def _busy(conn, args):
-    import json
     import time
     from . import api, payload
     now = time.time()
@@ -200,9 +223,7 @@ def _busy(conn, args):
         name = payload.display_name(job) if job else None
         data.append({"identity": j.identity, "thread": j.thread, "queue": j.queue, "jid": job.get("jid"),
                      "class": name, "args": job.get("args"), "run_at": j.run_at, "running_for": took})
-        args_text = json.dumps(job.get("args"), default=str) if job else "(unreadable)"
-        rows.append([j.identity, j.queue, job.get("jid"), name, _age(took),
-                     args_text if len(args_text) <= 40 else args_text[:37] + "..."])
+        rows.append([j.identity, j.queue, job.get("jid"), name, _age(took), _args_text(j.job)])
     header = ["process", "queue", "jid", "class", "running", "args"]
     return data, _table(header, rows) if rows else ["no jobs running"]
 

@@ -60,6 +60,14 @@ def test_stats_and_queues_json_match_the_api_and_tables_print(r, redis_url):
     assert lines[1].split()[:3] == ["alpha", "2", "0"] and lines[2].split()[:3] == ["beta", "1", "2"]
     totals = run("stats").stdout.splitlines()
     assert dict(zip(totals[0].split(), totals[1].split()))["suspects"] == "2"
+    # and which jobs they are: next to run (the rightmost) first, with their crash counts
+    r.set(keys.CRASH_PREFIX + "%024x" % 9, 2)
+    listed = ok_json("suspects", "beta")
+    assert [(e["jid"], e["crashes"]) for e in listed] == [("%024x" % 8, 0), ("%024x" % 9, 2)]
+    lines = run("suspects", "beta", "--limit", "1").stdout.splitlines()
+    assert lines[0].split() == ["jid", "class", "crashes", "args"]
+    assert lines[1].split()[:3] == ["%024x" % 8, "HardJob", "0"] and lines[2] == "(1 of 2; --limit shows more)"
+    assert run("suspects", "alpha").stdout.strip() == "no crash suspects wait for queue 'alpha'"
 
 
 @pytest.mark.timeout(30)
