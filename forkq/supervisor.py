@@ -277,7 +277,9 @@ class Supervisor:
             log.error("child died", slot=child.slot, child_pid=child.pid, how=how,
                       error=child.fatal or None)
         else:
-            log.info("child exited", slot=child.slot, child_pid=child.pid, how=how, reason=child.reason or None)
+            # a reason only when the master retired it (memory, restart): a plain stop has none
+            extra = {"reason": child.reason} if child.reason else {}
+            log.info("child exited", slot=child.slot, child_pid=child.pid, how=how, **extra)
         if self.state != "stopping":
             # not stopping and no reason of ours: every such exit is a crash (see above)
             reason = child.reason or "crash"
