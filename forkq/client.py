@@ -11,6 +11,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
+from redis.sentinel import MasterNotFoundError, Sentinel
 
 from . import keys, payload, wire
 from .errors import ConfigError, RedisUnavailable
@@ -166,9 +167,31 @@ def _connect_sentinel(url: str, options: dict[str, Any]) -> redis.Redis:
         options["username"] = username
     if password is not None:
         options["password"] = password
-    from redis.sentinel import Sentinel
-    manager = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **options)
+    manager = _Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **options)
     return manager.master_for(service, redis_class=redis.Redis, db=db)
+
+
+class _Sentinel(Sentinel):
+    """redis-py's Sentinel, with a readable error when no sentinel names a primary: its own
+    shows each sentinel as its client's whole repr and each failure only by class
+    ("network:ConnectionError"), hiding a refused connection or TLS handshake."""
+
+    def discover_master(self, service_name: str) -> tuple[str, int]:
+        failures = []
+        for i, sentinel in enumerate(self.sentinels):
+            where = "{host}:{port}".format_map(sentinel.connection_pool.connection_kwargs)
+            try:
+                state = sentinel.sentinel_masters().get(service_name)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                failures.append(f"{where}: {exc}")
+                continue
+            if state and self.check_master_state(state, service_name):
+                # ask this one first next time, as redis-py does
+                self.sentinels[0], self.sentinels[i] = sentinel, self.sentinels[0]
+                return state["ip"], state["port"]
+            failures.append(f"{where}: " + ("reports it down" if state else "does not monitor it"))
+        raise MasterNotFoundError(f"no sentinel named a primary for {service_name!r} "
+                                  f"({'; '.join(failures)})")
 
 
 def _host_port(item: str) -> tuple[str, int]:
