@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import time
@@ -53,21 +54,24 @@ def _mask_query(text: str) -> str:
 
 
 SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_TLS_SCHEME = "rediss+sentinel"  # TLS to the sentinels and the servers, as rediss://
 SENTINEL_PORT = 26379
 
-# rediss:// options that may come from the environment instead of the URL's query string
+# rediss:// and rediss+sentinel:// options that may come from the environment instead of
+# the URL's query string
 TLS_ENV = {"ssl_ca_certs": "FORKQ_REDIS_CA", "ssl_certfile": "FORKQ_REDIS_CERT",
            "ssl_keyfile": "FORKQ_REDIS_KEY"}
 TLS_CERT_REQS = ("none", "optional", "required")
 
 
 def connect(url: str | None = None, **options: Any) -> redis.Redis:
-    """A redis-py client for redis://, rediss:// (TLS), unix:// or redis+sentinel:// URLs,
-    with user/password.
+    """A redis-py client for redis://, rediss:// (TLS), unix://, redis+sentinel:// or
+    rediss+sentinel:// (TLS) URLs, with user/password.
 
-    A redis+sentinel:// client asks the sentinels for the current primary each time it
-    opens a connection, so after a failover its reconnects reach the new primary."""
+    A Sentinel client asks the sentinels for the current primary each time it opens a
+    connection, so after a failover its reconnects reach the new primary."""
     url = redis_url(url)
+    scheme = _scheme(url)
     options.setdefault("health_check_interval", 30)
     options.setdefault("socket_connect_timeout", 5)
     if url.startswith("unix:"):
@@ -75,20 +79,24 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis:
         for tcp_only in ("socket_keepalive", "socket_keepalive_options"):
             options.pop(tcp_only, None)
     try:
-        if url.lower().startswith(SENTINEL_SCHEME + "://"):
-            return _connect_sentinel(url, options)
+        if scheme in (SENTINEL_SCHEME, SENTINEL_TLS_SCHEME):
+            return _connect_sentinel(url, options, tls=scheme == SENTINEL_TLS_SCHEME)
         _check_db(url)
-        if url.lower().startswith("rediss://"):
-            _tls_options(url, options)
+        if scheme == "rediss":
+            _tls_options(dict(parse_qsl(urlsplit(url).query)), options)
         return redis.Redis.from_url(url, **options)
     except ValueError as exc:
         raise ValueError(f"bad Redis URL {mask_url(url)!r}: {exc}") from None
 
 
-def _tls_options(url: str, options: dict[str, Any]) -> None:
+def _scheme(url: str) -> str:
+    head, sep, _ = url.partition("://")
+    return head.lower() if sep else ""
+
+
+def _tls_options(query: dict[str, str], options: dict[str, Any]) -> None:
     # redis-py hands ssl_* query parameters through as text, which SSLConnection accepts;
     # check them here so a typo fails at start-up with a message, not at the first command.
-    query = dict(parse_qsl(urlsplit(url).query))
     for option, env in TLS_ENV.items():
         if option not in query and option not in options and os.environ.get(env):
             options[option] = os.environ[env]
@@ -103,10 +111,13 @@ def _tls_options(url: str, options: dict[str, Any]) -> None:
 
 def tls_hint(url: str, options: dict[str, Any], exc: BaseException) -> str:
     """A sentence to add to a TLS connection error, or "": a server that requires a client
-    certificate just closes the handshake, which Python reports as a bare EOF."""
-    if not url.lower().startswith("rediss://"):
+    certificate just closes the handshake, which Python reports as a bare EOF; one that
+    requires TLS resets a plain connection."""
+    scheme, text = _scheme(url), str(exc)
+    if scheme == SENTINEL_SCHEME and ("reset by peer" in text or "closed by server" in text):
+        return f" (if the sentinels require TLS, write {SENTINEL_TLS_SCHEME}://)"
+    if scheme not in ("rediss", SENTINEL_TLS_SCHEME):
         return ""
-    text = str(exc)
     if "CERTIFICATE_VERIFY_FAILED" in text:
         return (" (the server's certificate was not trusted: give its CA with ssl_ca_certs= "
                 "or FORKQ_REDIS_CA)")
@@ -120,11 +131,14 @@ def tls_hint(url: str, options: dict[str, Any], exc: BaseException) -> str:
     return ""
 
 
-def _connect_sentinel(url: str, options: dict[str, Any]) -> redis.Redis:
+def _connect_sentinel(url: str, options: dict[str, Any], tls: bool) -> redis.Redis:
     """redis+sentinel://[user:password@]host:port[,host:port...]/SERVICE[/DB][?sentinel_password=...]
 
     The user and password are the Redis servers'; sentinel_username / sentinel_password
-    (query parameters) authenticate to the sentinels, which otherwise get none."""
+    (query parameters) authenticate to the sentinels, which otherwise get none.
+    rediss+sentinel:// (`tls`) speaks TLS to the sentinels and the servers alike, with the
+    ssl_* parameters and FORKQ_REDIS_* files of rediss://."""
+    scheme = SENTINEL_TLS_SCHEME if tls else SENTINEL_SCHEME
     rest = url.split("://", 1)[1]
     rest, _, fragment = rest.partition("#")
     rest, _, query_text = rest.partition("?")
@@ -138,7 +152,7 @@ def _connect_sentinel(url: str, options: dict[str, Any]) -> redis.Redis:
     sentinels = [_host_port(item) for item in hostlist.split(",")]
     parts = [p for p in path.split("/") if p]
     if not parts:
-        raise ValueError("no service name: write redis+sentinel://HOST:PORT/SERVICE[/DB]")
+        raise ValueError(f"no service name: write {scheme}://HOST:PORT/SERVICE[/DB]")
     if len(parts) > 2:
         raise ValueError(f"the path must be /SERVICE or /SERVICE/DB, not /{path}")
     service = unquote(parts[0])
@@ -155,10 +169,19 @@ def _connect_sentinel(url: str, options: dict[str, Any]) -> redis.Redis:
             sentinel_kwargs["username"] = value
         elif name in ("socket_timeout", "socket_connect_timeout"):
             options[name] = float(value)
+        elif name.startswith("ssl_") and not tls:
+            raise ValueError(f"{name} is a TLS option: write {SENTINEL_TLS_SCHEME}:// for TLS")
+        elif name.startswith("ssl_"):
+            options[name] = _ssl_parameter(name, value)
         else:
-            raise ValueError(f"unknown query parameter {name!r} (redis+sentinel:// takes "
+            raise ValueError(f"unknown query parameter {name!r} ({scheme}:// takes "
                              "sentinel_password, sentinel_username, socket_timeout, "
-                             "socket_connect_timeout)")
+                             "socket_connect_timeout" + (" and ssl_*)" if tls else ")"))
+    if tls:
+        _tls_options({}, options)  # the query's ssl_* are in options now
+        options["ssl"] = True  # SentinelConnectionPool: SentinelManagedSSLConnection
+        # the sentinels get the same TLS settings: one CA and client certificate for both
+        sentinel_kwargs.update((k, v) for k, v in options.items() if k.startswith("ssl"))
     # the sentinels get the same timeouts as the servers (a dead sentinel must not hang us)
     for name in ("socket_timeout", "socket_connect_timeout", "socket_keepalive"):
         if name in options:
@@ -169,6 +192,19 @@ def _connect_sentinel(url: str, options: dict[str, Any]) -> redis.Redis:
         options["password"] = password
     manager = _Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **options)
     return manager.master_for(service, redis_class=redis.Redis, db=db)
+
+
+def _ssl_parameter(name: str, value: str) -> Any:
+    """A rediss+sentinel:// ssl_* query parameter, read as redis-py reads a rediss:// one;
+    a name redis-py does not take is refused here with a message, not by its TypeError."""
+    if name not in inspect.signature(redis.Redis).parameters:
+        raise ValueError(f"unknown TLS option {name!r}")
+    from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+    parse = URL_QUERY_ARGUMENT_PARSERS.get(name, str)
+    try:
+        return parse(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: bad value {value!r}") from None
 
 
 class _Sentinel(Sentinel):
