@@ -41,7 +41,8 @@ def redis_url(url: str | None = None) -> str:
 
 def mask_url(url: str) -> str:
     """The URL with any password replaced (in the userinfo or a password= query
-    parameter, both of which redis-py accepts), fit for logs and status output.
+    parameter, both of which redis-py accepts, or a sentinel_password= or ssl_password=
+    one), fit for logs and status output.
 
     Done on the text rather than by parsing, so a malformed URL (the kind an error
     message is about to show) is masked too and nothing else in it changes."""
@@ -50,7 +51,8 @@ def mask_url(url: str) -> str:
 
 
 def _mask_query(text: str) -> str:
-    return re.sub(r"((?:^|[?&])(?:sentinel_)?password=)[^&#]*", r"\1***", text)
+    # ssl_password unlocks the client certificate's private key
+    return re.sub(r"((?:^|[?&])(?:sentinel_|ssl_)?password=)[^&#]*", r"\1***", text)
 
 
 SENTINEL_SCHEME = "redis+sentinel"

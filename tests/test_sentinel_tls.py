@@ -209,6 +209,15 @@ def test_tls_options_on_a_plain_sentinel_url_are_refused_not_ignored(certs, no_t
         connect(f"redis+sentinel://127.0.0.1:1/svc?ssl_ca_certs={certs['ca']}")
 
 
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("scheme", ["rediss", "rediss+sentinel"])
+def test_the_private_key_password_is_masked_too(scheme):
+    masked = mask_url(f"{scheme}://:hunter2@127.0.0.1:1/svc?ssl_keyfile=k.pem&ssl_password=s3cret"
+                      "&sentinel_password=other")
+    assert masked == (f"{scheme}://:***@127.0.0.1:1/svc?ssl_keyfile=k.pem&ssl_password=***"
+                      "&sentinel_password=***")
+
+
 # -- against real TLS servers and sentinel ---------------------------------------------------
 
 
