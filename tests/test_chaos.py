@@ -2,7 +2,7 @@
 
 The driver is bench/chaos.py's `run()` (`python bench/chaos.py` is the longer run): a real
 master (`--processes 4 --concurrency 10`) runs tests/apps/chaos_jobs.py, which records each
-execution of job n; 3,000 jobs are fed over ~12 s while a loop freezes a random child that
+execution of job n; 3,000 jobs are fed over ~6.5 s while a loop freezes a random child that
 holds jobs, reads its in-flight hash (what its death can make run twice), SIGKILLs it and
 times until the master has put its jobs back; at half time own_redis restarts (appendonly:
 nothing acknowledged is lost). Then everything must have run, and the master exits 0 on TERM.
@@ -27,9 +27,9 @@ JOBS = 3_000
 @pytest.fixture
 def chaos(own_redis, tmp_path):
     # --poison-after 1000: these kills are random, not poison jobs; with the default 3 an
-    # innocent job unlucky enough to be in flight in 3 of the ~50 kills would go to dead
+    # innocent job unlucky enough to be in flight in 3 of the ~25 kills would go to dead
     report = run(own_redis.url, own_redis.restart, jobs=JOBS, processes=4, concurrency=10,
-                 duration=15.0, kill_interval=0.2, poison_after=1000, settle_timeout=60.0,
+                 duration=8.0, kill_interval=0.2, poison_after=1000, settle_timeout=60.0,
                  log=tmp_path / "master.log")
     text = report.format()
     print("\n" + text)
