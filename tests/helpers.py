@@ -417,9 +417,10 @@ class SidekiqRuby:
         """Sidekiq::Client.push_bulk of n jobs with args [0] .. [n-1]; returns the jids."""
         return self._run_push(url, [cls, queue, "[]", "--bulk", str(n)])
 
-    def server(self, url, queues=("default", "other"), concurrency=2, log_path=None):
-        """A SidekiqServer (not yet started) running worker.rb's job classes."""
-        return SidekiqServer(self, url, queues, concurrency, log_path)
+    def server(self, url, queues=("default", "other"), concurrency=2, log_path=None, timeout=5):
+        """A SidekiqServer (not yet started) running worker.rb's job classes; `timeout` is
+        its -t, the seconds running jobs get at stop."""
+        return SidekiqServer(self, url, queues, concurrency, log_path, timeout)
 
 
 class _LoggedProcess:
@@ -456,18 +457,19 @@ class SidekiqServer(_LoggedProcess):
     """A real `sidekiq` 6.4.1 server process.
 
     Stopping it: SIGTERM (or SIGINT) makes Sidekiq stop fetching, give running
-    jobs up to `-t` seconds (we pass 5), push unfinished ones back onto their
+    jobs up to `-t` seconds (5 unless told), push unfinished ones back onto their
     queues, and exit 0. SIGTSTP only quiets it (stops fetching, keeps running).
     """
 
     label = "sidekiq"
     stop_timeout = 20.0
 
-    def __init__(self, sidekiq, url, queues, concurrency, log_path=None):
+    def __init__(self, sidekiq, url, queues, concurrency, log_path=None, timeout=5):
         self.sidekiq = sidekiq
         self.url = url
         self.queues = list(queues)
         self.concurrency = concurrency
+        self.timeout = timeout
         self.log_path, self._own_log = _log_file(log_path, "sidekiq-")
         self.proc = None
 
@@ -478,7 +480,7 @@ class SidekiqServer(_LoggedProcess):
             # relative one is searched on $LOAD_PATH, not the cwd.
             "-r", str(self.sidekiq.worker_rb),
             "-c", str(self.concurrency),
-            "-t", "5",
+            "-t", str(self.timeout),
         ]
         for queue in self.queues:
             cmd += ["-q", queue]

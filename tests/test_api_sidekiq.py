@@ -72,7 +72,9 @@ def test_dead_entry_written_by_sidekiq_is_found_and_retried_into_a_queue(sidekiq
 def test_sidekiq_process_and_its_running_job_show_and_quiet_reaches_it(sidekiq_ruby, redis_url, r,
                                                                        tmp_path):
     jid = sidekiq_ruby.push(redis_url, "SlowJob", [30])
-    server = sidekiq_ruby.server(redis_url, concurrency=3, log_path=tmp_path / "sidekiq.log")
+    # -t 1: the 30 s job is still running when the test ends, and Sidekiq's stop would give
+    # it the default 5 s before pushing it back
+    server = sidekiq_ruby.server(redis_url, concurrency=3, log_path=tmp_path / "sidekiq.log", timeout=1)
     with server:
         identity = _ruby_identity(r, server)
         wait_until(lambda: any(j.job and j.job.get("jid") == jid for j in api.running(r)), timeout=20,
