@@ -33,6 +33,7 @@ APPS = Path(__file__).resolve().parent / "apps"
 JOBS_APP = APPS / "supervised_jobs.py"
 BROKEN_APP = APPS / "broken_on_fork.py"
 EVENTS = "sup:events"
+FORK_DELAY = "sup:fork-delay"  # a number of seconds the app's on_fork hook then sleeps
 CHILD_TITLE = re.compile(r"^forkq child (\d+) ")
 
 
@@ -666,12 +667,12 @@ def test_a_child_that_dies_while_quiet_and_redis_is_down_gets_its_job_back_once_
 @pytest.mark.timeout(60)
 def test_hup_replaces_every_child_one_at_a_time_while_jobs_keep_running(start_master, redis_url, r):
     n, boot = 3, 1.5
-    # each child spends `boot` seconds in on_fork before it can take a job
-    m = start_master(processes=n, concurrency=2, args=["--timeout", "5"],
-                     env={"SUP_FORK_DELAY": str(boot)})
+    m = start_master(processes=n, concurrency=2, args=["--timeout", "5"])
     before = m.wait_slots()
     wait_until(lambda: m.check() and len(m.log_events("worker started")) == n, timeout=10,
                message=f"{n} workers started\n{m.tail()}")
+    # each replacement spends `boot` seconds in on_fork before it can take a job
+    r.set(FORK_DELAY, boot)
     client = forkq.Client(redis_url)
     pushed: list[str] = []
     stop_feeding = threading.Event()

@@ -4,7 +4,8 @@ Every run is recorded as RPUSH sup:events {"event", "tag", "slot", "slot_api", "
 on the worker's own Redis (FORKQ_REDIS_URL), so a test can tell which child ran what, in
 which order: "fork" from the on_fork hook, "start"/"done" from the jobs.
 
-SUP_FORK_DELAY=SECONDS in the environment makes the on_fork hook that slow.
+SUP_FORK_DELAY=SECONDS in the environment makes the on_fork hook that slow; so does a number
+in the Redis key sup:fork-delay, for the children forked after a test sets it.
 """
 
 import json
@@ -17,6 +18,7 @@ import redis
 import forkq
 
 EVENTS = "sup:events"
+FORK_DELAY = "sup:fork-delay"
 _LEAK: list[bytes] = []
 
 
@@ -34,8 +36,14 @@ def record(event, tag=None, **extra):
 @forkq.on_fork
 def _record_fork(slot):
     record("fork", hook_slot=slot)
-    # SUP_FORK_DELAY: a slow start-up (warming caches, connecting...) before any job runs
-    time.sleep(float(os.environ.get("SUP_FORK_DELAY", "0")))
+    # SUP_FORK_DELAY or sup:fork-delay: a slow start-up (warming caches, connecting...)
+    # before any job runs
+    client = redis.Redis.from_url(os.environ["FORKQ_REDIS_URL"])
+    try:
+        delay = client.get(FORK_DELAY)
+    finally:
+        client.close()
+    time.sleep(float(delay or os.environ.get("SUP_FORK_DELAY", "0")))
 
 
 @forkq.job(name="sup.sleep", retry=0)
