@@ -20,7 +20,7 @@ import pytest
 import forkq
 from forkq import keys, payload
 from helpers import wait_until
-from test_supervisor import APPS, Master, assert_clean, push, queued_jids, sup_events, wait_event
+from test_supervisor import APPS, FORK_DELAY, Master, assert_clean, push, queued_jids, sup_events, wait_event
 
 SUSPECTS = keys.suspects("default")
 HEARTBEAT = ["--heartbeat-interval", "0.2"]  # isolation starts within 0.2 s of a crash
@@ -344,15 +344,16 @@ def test_a_suspect_claim_takes_from_this_processs_queues_only_in_their_order(r):
 @pytest.mark.timeout(60)
 def test_another_apps_suspects_neither_pause_nor_run_in_this_app(start_master, redis_url, r):
     # app A (the sup.* jobs, queue mail) and app B (orphan.work only, queue billing) share a
-    # Redis. A's children take 3 s to start, so for 3 s after a crash in A nobody but B could
-    # take A's suspect: B must leave it alone and keep working.
-    a = start_master(processes=1, concurrency=2, args=["--queue", "mail"], env={"SUP_FORK_DELAY": "3"})
+    # Redis. A's replacement child takes 3 s to start, so for 3 s after a crash in A nobody
+    # but B could take A's suspect: B must leave it alone and keep working.
+    a = start_master(processes=1, concurrency=2, args=["--queue", "mail"])
     b = start_master(processes=1, concurrency=2, args=["--queue", "billing"], app=APPS / "orphan_jobs.py")
     client = forkq.Client(redis_url)
     client.push("orphan.work", ["warm-up", 0], queue="billing")
     wait_until(lambda: r.llen("orphan:ran") == 1, timeout=15, message=f"B at work\n{b.tail()}")
-    victim = client.push("sup.sleep", ["victim", 3], queue="mail")
+    victim = client.push("sup.sleep", ["victim", 1.5], queue="mail")
     (first,) = wait_event(r, a, "start", "victim", timeout=15)
+    r.set(FORK_DELAY, 3)  # read by A's on_fork hook: its replacement child takes 3 s to start
     os.kill(first["pid"], signal.SIGKILL)
     wait_until(lambda: a.log_events("requeued a child's in-flight jobs"), timeout=5, interval=0.02,
                message=f"A requeued its dead child's job\n{a.tail()}")
