@@ -272,7 +272,7 @@ def test_sigkilled_child_is_replaced_in_its_slot_and_its_job_reruns_there(start_
     m = start_master(processes=2, concurrency=1)
     before = m.wait_slots()
     # "busy" keeps the other child occupied, so only the replacement can rerun the victim
-    started = start_one_by_one(redis_url, r, m, [("busy", 6), ("victim", 3)])
+    started = start_one_by_one(redis_url, r, m, [("busy", 4), ("victim", 2)])
     victim_pid, slot = started["victim"]["pid"], int(started["victim"]["slot"])
     assert started["busy"]["pid"] != victim_pid
     assert before[slot] == victim_pid
@@ -510,7 +510,7 @@ def test_a_child_that_stops_pinging_is_killed_and_replaced(start_master, redis_u
     hang_timeout = 2.0
     m = start_master(processes=2, concurrency=1, args=["--hang-timeout", hang_timeout])
     before = m.wait_slots()
-    (job,) = start_one_by_one(redis_url, r, m, [("stuck", 2)]).values()
+    (job,) = start_one_by_one(redis_url, r, m, [("stuck", 1.5)]).values()
     pid, slot = job["pid"], int(job["slot"])
     other = before[1 - slot]
 
@@ -759,7 +759,7 @@ def test_a_poison_job_does_not_make_a_single_process_master_give_up(start_master
 def test_a_job_that_ran_beside_a_poison_job_is_not_poisoned(start_master, redis_url, r):
     m = start_master(processes=1, concurrency=2, args=["--poison-after", "2"])
     m.wait_slots()
-    start_one_by_one(redis_url, r, m, [("innocent", 4)])
+    start_one_by_one(redis_url, r, m, [("innocent", 2)])
     poison = push(redis_url, "sup.suicide", "poison")
 
     def dead_poison():
@@ -769,3 +769,5 @@ def test_a_job_that_ran_beside_a_poison_job_is_not_poisoned(start_master, redis_
     dead = [json.loads(e)["class"] for e in r.zrange("dead", 0, -1)]
     assert dead == ["sup.suicide"], "only the job that kills its process is poison"
     wait_event(r, m, "done", "innocent", timeout=15)
+    # it was in flight when the poison first killed their child: it ran again, as a suspect
+    assert len(sup_events(r, "start", "innocent")) == 2
