@@ -25,6 +25,14 @@ from helpers import REPO_ROOT, RedisServer, _die_with_parent, _tail, wait_until
 SERVICE = "mymaster"
 
 
+class PrimaryServer(RedisServer):
+    """A RedisServer that sends a new replica its full copy at once: by default Redis 7
+    waits 5 s (repl-diskless-sync-delay) for more replicas to share one transfer."""
+
+    def _command(self):
+        return super()._command() + ["--repl-diskless-sync-delay", "0"]
+
+
 class ReplicaServer(RedisServer):
     """A RedisServer that starts as a replica of 127.0.0.1:primary_port."""
 
@@ -77,7 +85,7 @@ def cluster():
     """(primary, replica, sentinel), started, the replica in sync and known to the sentinel."""
     servers = []
     try:
-        primary = RedisServer().start()
+        primary = PrimaryServer().start()
         servers.append(primary)
         replica = ReplicaServer(primary.port).start()
         servers.append(replica)
