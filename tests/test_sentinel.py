@@ -199,7 +199,7 @@ def test_jobs_and_worker_survive_a_failover(cluster, own_redis, tmp_path):
     record = own_redis.client()
     client = forkq.Client(url)
     n = 40
-    jids = client.push_bulk("tests.apps.core_jobs.sleepy", [[0.1, i] for i in range(n)])
+    jids = client.push_bulk("tests.apps.core_jobs.sleepy", [[0.05, i] for i in range(n)])
     assert primary.client().llen("queue:default") == n  # the sentinel sent us to the primary
 
     master = Master(url, own_redis.url, tmp_path)
