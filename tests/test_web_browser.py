@@ -214,7 +214,8 @@ def test_the_live_queue_table_links_to_a_queue_page_that_deletes_a_job(chrome, w
 @pytest.mark.timeout(90)
 def test_quiet_button_quiets_a_real_running_forkq(chrome, web, r, redis_url, start_master):
     from selenium.webdriver.common.by import By
-    m = start_master(processes=2)
+    # a heartbeat a second, not 5 s: the remote quiet is read at the next one
+    m = start_master("--heartbeat-interval", "1", processes=2)
     m.wait_ready(r)
     chrome.get(web.base + "/processes")
     rows = chrome.find_elements(By.CSS_SELECTOR, "tr[data-identity]")
