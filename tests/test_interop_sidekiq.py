@@ -156,7 +156,7 @@ def test_ruby_sidekiq_poller_runs_job_scheduled_by_forkq(sidekiq_ruby, redis_url
     assert job["jid"] == jid and score == pytest.approx(at, abs=1e-3)
     assert r.llen("queue:default") == 0
 
-    # Sidekiq polls `schedule` within about 5 s of boot (worker.rb sets its interval).
+    # Sidekiq polls `schedule` within about 2 s of boot (worker.rb sets its timing).
     with _sidekiq_server(sidekiq_ruby, redis_url, tmp_path) as sidekiq:
         (ran,) = _wait_for_records(r, SIDEKIQ_RAN, 1, 40, sidekiq)
         assert sidekiq.stop() == 0
