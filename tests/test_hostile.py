@@ -149,8 +149,9 @@ def test_hostile_corpus_ends_in_dead_or_where_sidekiq_puts_it(workers, r):
     for key, raw, score, _ in _zset_runnable(now):
         r.zadd(key, {raw: score})
 
+    # a remote signal is read per heartbeat: four of them take four beats
     worker = workers(concurrency=3, poll_interval=0.5,
-                     extra_args=["--heartbeat-interval", "1", "--require", str(HOSTILE_JOBS)])
+                     extra_args=["--heartbeat-interval", "0.5", "--require", str(HOSTILE_JOBS)])
 
     # remote signals nobody defined, one not even UTF-8: ignored, the worker carries on
     for sig in (b"\xff\xfe", b"rm -rf /", b"KILL", b"TERM\x00"):
