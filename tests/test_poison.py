@@ -142,7 +142,7 @@ def test_a_kill_while_a_suspect_runs_alone_counts_against_it_only_and_others_flo
         start_master, redis_url, r):
     m = start_master(processes=2, concurrency=2, args=["--poison-after", "3"])
     m.wait_slots()
-    victim = push(redis_url, "sup.sleep", "victim", 4)
+    victim = push(redis_url, "sup.sleep", "victim", 2)
     (first,) = wait_event(r, m, "start", "victim")
     os.kill(first["pid"], signal.SIGKILL)
     runs = wait_event(r, m, "start", "victim", count=2)
@@ -150,7 +150,7 @@ def test_a_kill_while_a_suspect_runs_alone_counts_against_it_only_and_others_flo
     assert crash_count(r, victim) == 1
 
     # while the suspect runs alone, the other child takes everything else
-    bystander = push(redis_url, "sup.sleep", "bystander", 4)
+    bystander = push(redis_url, "sup.sleep", "bystander", 2)
     forkq.Client(redis_url).push_bulk("sup.quick", [[f"q{i}"] for i in range(10)])
     (b_run,) = wait_event(r, m, "start", "bystander")
     quick = wait_event(r, m, "done", None, count=10)
