@@ -41,9 +41,10 @@ def _missing() -> str | None:
 pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 
 
-@pytest.fixture
-def chrome():
-    """A fresh headless Chromium (its own profile directory) for one test."""
+@pytest.fixture(scope="module")
+def _chromium():
+    """One headless Chromium (its own profile directory) for the module: each start took
+    about a second."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     profile = tempfile.mkdtemp(prefix="forkq-chromium-")
@@ -58,6 +59,19 @@ def chrome():
     finally:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+def chrome(_chromium):
+    """The module's Chromium, as a test would find a new one: no cookies (the last test's
+    flash message or CSRF token) and nothing in its console log. Left on a blank page, so
+    that the last page's script stops polling a server that is gone."""
+    _chromium.execute_cdp_cmd("Network.clearBrowserCookies", {})
+    console_errors(_chromium)  # reading the log empties it
+    try:
+        yield _chromium
+    finally:
+        _chromium.get("about:blank")
 
 
 @pytest.fixture
