@@ -135,9 +135,12 @@ def test_boot_warns_when_redis_may_evict_jobs(own_redis, tmp_path):
         assert _stop(master) == 0
 
 
+STOP_TIMEOUT = 0.5  # --timeout of the stop tests: their 30 s jobs are cut off either way
+
+
 def _stop_with_redis_away(own_redis, tmp_path: Path, away,
                           processes: int = 1) -> tuple[list[dict], float, list[str]]:
-    """Supervised children holding two 30 s jobs each, --timeout 1; `away` takes Redis
+    """Supervised children holding two 30 s jobs each, --timeout 0.5; `away` takes Redis
     away, then the master gets SIGTERM. The master's events, seconds until it exited 0,
     the children's identities."""
     r = own_redis.client()
@@ -145,8 +148,8 @@ def _stop_with_redis_away(own_redis, tmp_path: Path, away,
     log = tmp_path / "log"
     master = subprocess.Popen(
         [sys.executable, "-m", "forkq", "start", "--require", str(REPO / "tests" / "apps" / "orphan_jobs.py"),
-         "--processes", str(processes), "--concurrency", "2", "--timeout", "1", "--heartbeat-interval", "0.5",
-         "--log-format", "json", "--pidfile", str(tmp_path / "pid")],
+         "--processes", str(processes), "--concurrency", "2", "--timeout", str(STOP_TIMEOUT),
+         "--heartbeat-interval", "0.5", "--log-format", "json", "--pidfile", str(tmp_path / "pid")],
         env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_until(lambda: r.hlen(keys.OWNERS) == processes, timeout=20, message="children registered")
@@ -177,7 +180,7 @@ def test_a_child_stopping_with_redis_down_gives_up_in_time_and_keeps_its_jobs(ow
     assert [e["how"] for e in exited] == ["exit 0"]
     stopped = next(e for e in events if e.get("event") == "stopping children")
     took = _seconds(exited[0]["timestamp"]) - _seconds(stopped["timestamp"])
-    assert took < 1 + STOP_GRACE_S, f"the child took {took:.1f}s to stop"
+    assert took < STOP_TIMEOUT + STOP_GRACE_S, f"the child took {took:.1f}s to stop"
     assert any("Redis unreachable at stop" in n for n in names if n)
     own_redis.start()
     r = own_redis.client()
@@ -191,8 +194,8 @@ def test_a_frozen_redis_at_stop_holds_the_master_for_seconds_not_minutes(own_red
     instead of twenty tries (over 100 s), leaving the jobs in the child's hash. Three
     children reaped one after another cost one try between them, not one each."""
     events, took, identities = _stop_with_redis_away(own_redis, tmp_path, own_redis.pause, processes=3)
-    # the children's kill at 1 + 5 s, one try as the first is reaped, the final pass:
-    # about 16 s (a try per child reaped made it 26)
+    # the children's kill at 0.5 + 5 s, one try as the first is reaped, the final pass:
+    # about 15 s (a try per child reaped made it 25)
     assert took < 22, f"the master took {took:.1f}s to exit"
     assert any("stay in their private lists" in (e.get("event") or "") for e in events)
     own_redis.resume()
