@@ -83,22 +83,18 @@ def queues(conn: redis.Redis) -> list[QueueInfo]:
             for i, name in enumerate(names)]
 
 
-class Queue:
-    """One queue's jobs, read a page at a time (LRANGE, never the whole list). Index 0 is
-    the job pushed last (clients LPUSH); the highest index is the next to run (workers pop
-    the right end). Its pages are Entry objects whose `score` is the entry's index."""
+class _List:
+    """A list of payloads read a page at a time (LRANGE, never the whole list). Index 0 is
+    the entry pushed last (LPUSH); the highest index is the next to run (workers pop the
+    right end). Its pages are Entry objects whose `score` is the entry's index."""
 
-    def __init__(self, conn: redis.Redis, name: str) -> None:
+    def __init__(self, conn: redis.Redis, name: str, key: str) -> None:
         self.redis = conn
         self.name = name
-        self.key = keys.queue(name)
+        self.key = key
 
     def size(self) -> int:
         return int(self.redis.llen(self.key))
-
-    def listed(self) -> bool:
-        """Whether the `queues` set names it (an empty queue is still a queue)."""
-        return bool(self.redis.sismember(keys.QUEUES, self.name))
 
     def page(self, offset: int, count: int, next_first: bool = False) -> list[Entry]:
         """`count` entries from `offset`, counted from the newest, or with next_first from
@@ -113,9 +109,23 @@ class Queue:
             pipe.lrange(self.key, offset, offset + count - 1)
         size, rows = pipe.execute()
         if not next_first:
-            return [Entry.of(raw, float(offset + i)) for i, raw in enumerate(rows)]
+            return [self._entry(raw, float(offset + i)) for i, raw in enumerate(rows)]
         first = max(0, int(size) - offset - count)  # the index of rows[0]
-        return [Entry.of(raw, float(first + i)) for i, raw in reversed(list(enumerate(rows)))]
+        return [self._entry(raw, float(first + i)) for i, raw in reversed(list(enumerate(rows)))]
+
+    def _entry(self, raw: bytes, index: float) -> "Entry":
+        return Entry.of(raw, index)
+
+
+class Queue(_List):
+    """One queue's jobs (see _List for indices and pages)."""
+
+    def __init__(self, conn: redis.Redis, name: str) -> None:
+        super().__init__(conn, name, keys.queue(name))
+
+    def listed(self) -> bool:
+        """Whether the `queues` set names it (an empty queue is still a queue)."""
+        return bool(self.redis.sismember(keys.QUEUES, self.name))
 
     def delete(self, raw: bytes) -> int:
         """Remove one job: the first entry with exactly these bytes (LREM 1). Equal bytes
@@ -428,29 +438,20 @@ class Suspect(Entry):
         return {**super().to_dict(), "crashes": self.crashes}
 
 
-class Suspects:
+class Suspects(_List):
     """A queue's crash suspects (read-only). Workers RPOP them, so the highest index runs
     next; pages here start from that end, as an operator asks "what runs next"."""
 
     def __init__(self, conn: redis.Redis, name: str) -> None:
-        self.redis = conn
-        self.name = name
-        self.key = keys.suspects(name)
+        super().__init__(conn, name, keys.suspects(name))
 
-    def size(self) -> int:
-        return int(self.redis.llen(self.key))
+    def _entry(self, raw: bytes, index: float) -> "Suspect":
+        return Suspect.of(raw, index)
 
-    def page(self, offset: int, count: int) -> list[Suspect]:
-        """`count` suspects from `offset`, counted from the next to run, with their crash
-        counts: LLEN and LRANGE in one transaction (so the indices agree), then one MGET."""
-        if count < 1:
-            return []
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.llen(self.key)
-        pipe.lrange(self.key, -offset - count, -offset - 1)
-        size, rows = pipe.execute()
-        first = max(0, int(size) - offset - count)  # the index of rows[0]
-        out = [Suspect.of(raw, float(first + i)) for i, raw in reversed(list(enumerate(rows)))]
+    def page(self, offset: int, count: int, next_first: bool = True) -> list[Suspect]:
+        """`count` suspects from `offset`, counted from the next to run (or with next_first
+        False from the newest), with their crash counts: one MGET after the page."""
+        out: list[Suspect] = super().page(offset, count, next_first)  # type: ignore[assignment]
         jids = [s.jid for s in out if isinstance(s.jid, str)]
         if jids:
             counts = dict(zip(jids, self.redis.mget([keys.CRASH_PREFIX + j for j in jids])))
