@@ -285,12 +285,16 @@ class Client:
 
     @property
     def redis(self) -> redis.Redis:
+        self._connected()
+        return self._redis
+
+    def _connected(self) -> _Pushers:
         # A connection pool must never cross a fork: a child gets its own on first use.
         if self._redis is None or self._pid != os.getpid():
             self._redis = connect(self.url, **self._options)
             self._pushers = _Pushers(self._redis)
             self._pid = os.getpid()
-        return self._redis
+        return self._pushers
 
     def push(self, name: str, args: Iterable[Any] = (), *, queue: str = "default",
              retry: bool | int = True, at: float | datetime | None = None, **options: Any) -> str | None:
@@ -319,18 +323,17 @@ class Client:
         run_at = None if at is None else epoch(at)
         now = time.time()
         if run_at is not None and run_at > now:
-            members = {encode(j): run_at for j in jobs}
-            self._send(lambda c: c.zadd(keys.SCHEDULE, members))
+            scored = [part for j in jobs for part in (run_at, encode(j))]
+            self._send([("ZADD", keys.SCHEDULE, *scored)])
             return [j["jid"] for j in jobs]
         by_queue: dict[str, list[str]] = {}
         for j in jobs:
             j["enqueued_at"] = now
             by_queue.setdefault(j["queue"], []).append(encode(j))
-        if len(by_queue) == 1:
-            ((q, raws),) = by_queue.items()
-            self._send(lambda c: self._pushers.push(q, raws))
-        else:
-            self._send(lambda c: _push_pipelined(c, by_queue))
+        # SADD and LPUSH per queue, as Sidekiq's client sends them (not atomic together: a
+        # queue named in `queues` with nothing pushed is harmless)
+        self._send([command for q, raws in by_queue.items()
+                    for command in (("SADD", keys.QUEUES, q), ("LPUSH", keys.queue(q), *raws))])
         return [j["jid"] for j in jobs]
 
     def _through_middleware(self, job: dict[str, Any]) -> dict[str, Any] | None:
@@ -340,11 +343,11 @@ class Client:
                 return None
         return job
 
-    def _send(self, run: Callable[[redis.Redis], Any]) -> Any:
-        """Run one push on this client's connection, turning Redis trouble into forkq errors."""
+    def _send(self, commands: list[tuple]) -> Any:
+        """Send one push's commands in one write, turning Redis trouble into forkq errors."""
         for attempt in (1, 2):
             try:
-                return run(self.redis)
+                return self._connected().run(commands)
             except redis.ReadOnlyError:
                 # A failover just happened and we still talk to the old primary: reconnect
                 # and try once more, as the new primary is where the write belongs.
@@ -368,46 +371,47 @@ class Client:
         raise AssertionError("unreachable")
 
 
-def _push_pipelined(conn: redis.Redis, by_queue: dict[str, list[Any]]) -> list[Any]:
-    """SADD and LPUSH for each queue, through redis-py: several queues at once, or one
-    under Sentinel (whose connections only redis-py's own path drives)."""
-    pipe = conn.pipeline(transaction=False)
-    for queue_name, raws in by_queue.items():
-        pipe.sadd(keys.QUEUES, queue_name)
-        pipe.lpush(keys.queue(queue_name), *raws)
-    return pipe.execute()
-
-
 class _Pushers:
-    """Connections of the client's own for the single-queue push, driven directly
-    (forkq.wire): about twice the single-enqueue throughput of redis-py's path, and no
-    silent resend, which could push a job twice when a connection broke after the
-    command reached Redis.
+    """Connections for pushes, driven directly (forkq.wire): about twice the single-enqueue
+    throughput of redis-py's path, and never a silent resend, which pushes a job twice
+    when a connection broke after the command reached Redis. Every push, to one queue,
+    several, or the schedule, is one write and its replies.
 
-    A push is SADD queues NAME and LPUSH queue:NAME in one write, as Sidekiq's client
-    sends them (not atomic together: a queue named in `queues` with nothing pushed is
-    harmless). It was a Lua script doing both: that cost Redis about 9 us a push against
-    about 2 for the two commands, and the client a slower round trip."""
+    A push to a queue was a Lua script doing SADD and LPUSH: that cost Redis about 9 us a
+    push against about 2 for the two commands, and the client a slower round trip."""
 
     MAX_IDLE = 16
 
     def __init__(self, client: redis.Redis) -> None:
         self._new = wire.connection_factory(client)
         self._idle: list[Any] = []  # list.pop/append are atomic: shared between threads
-        self._client = client if self._new is None else None  # Sentinel: redis-py's path
+        # Sentinel: connections from redis-py's pool, which find the primary as they connect
+        self._pool = client.connection_pool if self._new is None else None
 
-    def push(self, queue_name: str, raws: list[Any]) -> Any:
-        if self._client is not None:
-            return _push_pipelined(self._client, {queue_name: raws})[-1]
+    def run(self, commands: list[tuple]) -> Any:
+        if self._pool is not None:
+            return self._run_sentinel(commands)
         try:
             conn = self._idle.pop()
         except IndexError:
             conn = self._new()
         try:
-            return wire.run_commands(conn, ("SADD", keys.QUEUES, queue_name),
-                                     ("LPUSH", keys.queue(queue_name), *raws))
+            return wire.run_commands(conn, *commands)
         finally:
             self._give(conn)  # in step, or disconnected by run_commands after a failure
+
+    def _run_sentinel(self, commands: list[tuple]) -> Any:
+        conn = self._pool.get_connection()
+        try:
+            return wire.run_commands(conn, *commands)
+        except wire.Unanswered as exc:
+            # redis-py's Sentinel connection turns READONLY (the primary we reached was
+            # demoted) into a disconnect and a ConnectionError: nothing was written
+            if isinstance(exc.__cause__.__context__, redis.ReadOnlyError):
+                raise redis.ReadOnlyError(str(exc)) from None
+            raise
+        finally:
+            self._pool.release(conn)
 
     def _give(self, conn: Any) -> None:
         if len(self._idle) < self.MAX_IDLE:

@@ -25,8 +25,7 @@ class Unanswered(redis.ConnectionError):
 
 def connection_factory(client: redis.Redis) -> Callable[[], AbstractConnection] | None:
     """Makes connections like `client`'s; None for Sentinel, whose connections find the
-    primary when they connect and turn READONLY after a failover into a reconnect, which
-    only redis-py's own path does."""
+    primary as they connect: those must come from the client's own pool."""
     from redis.sentinel import SentinelConnectionPool
     pool = client.connection_pool
     if isinstance(pool, SentinelConnectionPool):
@@ -74,9 +73,15 @@ def _run_script(conn: AbstractConnection, sha: str, body: str, args: tuple) -> A
 
 def _run_commands(conn: AbstractConnection, commands: tuple[tuple, ...]) -> Any:
     _drop_if_closed(conn)
+    if getattr(conn, "_sock", None) is None:
+        try:
+            conn.connect()
+        except redis.TimeoutError as exc:  # nothing was sent: not a lost reply
+            raise redis.ConnectionError(str(exc)) from exc
     packed = [chunk for command in commands for chunk in _pack(conn, *command)]
-    conn.send_packed_command([b"".join(packed)], check_health=False)  # one write
     try:
+        # once connected, a write that fails part way may have delivered whole commands
+        conn.send_packed_command([b"".join(packed)], check_health=False)  # one write
         error = reply = None
         for _ in commands:
             try:

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -332,6 +333,54 @@ class RedisServer:
 
 class _AddressInUse(Exception):
     pass
+
+
+class CommandCutter:
+    """A loopback TCP proxy to a Redis port that, once a client sends a request holding
+    `marker` (say b"LPUSH"), swallows that connection's next reply and closes it: the
+    command ran, and its client never hears so. Other connections through it (a
+    sentinel's pings) pass untouched."""
+
+    def __init__(self, port: int, marker: bytes) -> None:
+        self._target = port
+        self._marker = marker
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.cut = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self._target))
+            marked = threading.Event()
+            for src, dst, replies in ((client, server, False), (server, client, True)):
+                threading.Thread(target=self._pump, args=(src, dst, replies, marked),
+                                 daemon=True).start()
+
+    def _pump(self, src, dst, replies, marked) -> None:
+        try:
+            while data := src.recv(65536):
+                if not replies and not self.cut.is_set() and self._marker in data:
+                    marked.set()
+                elif replies and marked.is_set() and not self.cut.is_set():
+                    self.cut.set()
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def close(self) -> None:
+        self._listener.close()
 
 
 # ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import redis
 import forkq
 import forkq.jobs
 from corekit import UnixSocketRedis, core_jobs, forkq_client  # noqa: F401  (fixture)
-from helpers import free_port
+from helpers import CommandCutter, free_port
 
 JID = re.compile(r"\A[0-9a-f]{24}\Z")
 PUSHED_FIELDS = {"class", "args", "jid", "queue", "retry", "created_at", "enqueued_at"}
@@ -570,3 +570,34 @@ def test_unix_socket_url():
             assert conn.llen("queue:default") == 1
         finally:
             conn.close()
+
+
+def _two_queues(n):
+    return [{"class": "X", "args": [n], "jid": f"{q}{n}", "queue": q} for q in ("a", "b")]
+
+
+@pytest.mark.timeout(20)
+def test_a_push_whose_reply_is_lost_says_it_may_be_in_and_is_never_sent_twice(own_redis):
+    """A reply lost after the commands ran: the push is in Redis once, and the error says
+    it may be there, whether it went to several queues or to the schedule. Saying "not
+    pushed" invites the caller to push it again."""
+    admin = own_redis.client()
+    for marker, push, stored in (
+        (b"LPUSH", lambda c, n: c.push_jobs(_two_queues(n)),
+         lambda: (admin.llen("queue:a"), admin.llen("queue:b"))),
+        (b"ZADD", lambda c, n: c.push("X", [n], at=time.time() + 3600),
+         lambda: (admin.zcard("schedule"),)),
+    ):
+        cutter = CommandCutter(own_redis.port, marker)
+        client = forkq.Client(f"redis://127.0.0.1:{cutter.port}/0")
+        try:
+            with pytest.raises(forkq.RedisUnavailable) as info:
+                push(client, 1)
+            assert cutter.cut.is_set()
+            assert info.value.maybe_pushed and "may or may not have been pushed" in str(info.value)
+            assert set(stored()) == {1}
+            push(client, 2)  # the client carries on, on a new connection
+            assert set(stored()) == {2}
+        finally:
+            cutter.close()
+    admin.close()

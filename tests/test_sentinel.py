@@ -20,7 +20,7 @@ import redis
 
 import forkq
 from forkq.client import connect, mask_url
-from helpers import REPO_ROOT, RedisServer, _die_with_parent, _tail, wait_until
+from helpers import CommandCutter, REPO_ROOT, RedisServer, _die_with_parent, _tail, wait_until
 
 SERVICE = "mymaster"
 
@@ -193,6 +193,50 @@ def test_bad_sentinel_url_is_a_valueerror_with_password_masked(url):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.timeout(30)
+def test_a_push_through_sentinel_whose_reply_is_lost_is_not_sent_again():
+    """redis-py's own path resends a command on a broken connection: a push whose reply
+    was lost would be in the queue twice. The sentinel here names the primary at a proxy
+    that swallows the LPUSH's reply."""
+    with PrimaryServer() as primary:
+        cutter = CommandCutter(primary.port, b"LPUSH")
+        try:
+            with SentinelServer(cutter.port) as sentinel:
+                client = forkq.Client(f"redis+sentinel://127.0.0.1:{sentinel.port}/{SERVICE}/0")
+                with pytest.raises(forkq.RedisUnavailable) as info:
+                    client.push("X", [1])
+                assert cutter.cut.is_set()
+                assert info.value.maybe_pushed
+                admin = primary.client()
+                assert admin.llen("queue:default") == 1
+                client.push("X", [2])
+                assert [json.loads(j)["args"] for j in admin.lrange("queue:default", 0, -1)] == [[2], [1]]
+        finally:
+            cutter.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_push_refused_as_readonly_under_sentinel_says_it_was_not_pushed():
+    """A primary demoted behind the sentinel's back (a healed partition) answers READONLY
+    on a pooled connection. redis-py's Sentinel connection turns that into a dropped
+    connection; the push was refused all the same, and the caller must hear so, not "may
+    have been pushed". (A failover the sentinel runs kills the old primary's clients, so
+    they reconnect to the new one: the failover test covers that.)"""
+    with PrimaryServer() as primary, RedisServer() as elsewhere, \
+            SentinelServer(primary.port) as sentinel:
+        client = forkq.Client(f"redis+sentinel://127.0.0.1:{sentinel.port}/{SERVICE}/0")
+        client.push("X", [1])
+        admin = primary.client()
+        admin.replicaof("127.0.0.1", elsewhere.port)
+        with pytest.raises(forkq.RedisUnavailable, match="read-only") as info:
+            client.push("X", [2])
+        assert not info.value.maybe_pushed
+        # (the first job may still be there: the demoted server loads its new primary's
+        # empty data set in its own time)
+        for server in (admin, elsewhere.client()):
+            assert [2] not in [json.loads(j)["args"] for j in server.lrange("queue:default", 0, -1)]
+
+
 def test_jobs_and_worker_survive_a_failover(cluster, own_redis, tmp_path):
     primary, replica, sentinel = cluster
     url = f"redis+sentinel://127.0.0.1:{sentinel.port}/{SERVICE}/0"
