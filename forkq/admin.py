@@ -25,8 +25,9 @@ MALFORMED_HELP = ("entries that are no runnable job: forkq.MalformedJob (a paylo
 
 
 def add_admin_commands(sub: argparse._SubParsersAction) -> None:
-    """stats, queues, processes and the dead/retry/schedule sets: read-only views and
-    bulk actions on what is in Redis, for people (tables) and scripts (--json)."""
+    """stats, queues, processes, busy, suspects and the dead/retry/schedule sets:
+    read-only views and bulk actions on what is in Redis, for people (tables) and scripts
+    (--json)."""
     common = ArgumentParser(add_help=False)
     common.add_argument("--redis-url", default=None, type=_flag_type(config.BY_KEY["redis_url"]),
                         help="Redis URL [env FORKQ_REDIS_URL]")
