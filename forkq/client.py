@@ -385,33 +385,20 @@ class _Pushers:
     def __init__(self, client: redis.Redis) -> None:
         self._new = wire.connection_factory(client)
         self._idle: list[Any] = []  # list.pop/append are atomic: shared between threads
-        # Sentinel: connections from redis-py's pool, which find the primary as they connect
-        self._pool = client.connection_pool if self._new is None else None
 
     def run(self, commands: list[tuple]) -> Any:
-        if self._pool is not None:
-            return self._run_sentinel(commands)
         try:
             conn = self._idle.pop()
         except IndexError:
             conn = self._new()
         try:
             return wire.run_commands(conn, *commands)
-        finally:
-            self._give(conn)  # in step, or disconnected by run_commands after a failure
-
-    def _run_sentinel(self, commands: list[tuple]) -> Any:
-        conn = self._pool.get_connection()
-        try:
-            return wire.run_commands(conn, *commands)
         except wire.Unanswered as exc:
-            # redis-py's Sentinel connection turns READONLY (the primary we reached was
-            # demoted) into a disconnect and a ConnectionError: nothing was written
-            if isinstance(exc.__cause__.__context__, redis.ReadOnlyError):
+            if wire.readonly(exc):  # Sentinel's connection dropped itself on READONLY
                 raise redis.ReadOnlyError(str(exc)) from None
             raise
         finally:
-            self._pool.release(conn)
+            self._give(conn)  # in step, or disconnected by run_commands after a failure
 
     def _give(self, conn: Any) -> None:
         if len(self._idle) < self.MAX_IDLE:

@@ -68,7 +68,7 @@ class ReliableFetch:
         self.suspect_keys = {q: keys.suspects(q) for q in order.names}
         self._fetch = scripts.load(client, "fetch")
         # the claim runs on a connection of its own, past redis-py's per-command overhead
-        # (forkq.wire); `direct=False` or Sentinel keep redis-py's path, which may resend
+        # (forkq.wire); `direct=False` keeps redis-py's path, which may resend
         self._new_conn = wire.connection_factory(client) if direct else None
         self._conn: Any = None
         self._resend = 0 if self._new_conn is not None else 1  # the script's resend guard

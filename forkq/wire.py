@@ -23,14 +23,20 @@ class Unanswered(redis.ConnectionError):
     """The connection broke after the command was sent: it may have run."""
 
 
-def connection_factory(client: redis.Redis) -> Callable[[], AbstractConnection] | None:
-    """Makes connections like `client`'s; None for Sentinel, whose connections find the
-    primary as they connect: those must come from the client's own pool."""
-    from redis.sentinel import SentinelConnectionPool
+def connection_factory(client: redis.Redis) -> Callable[[], AbstractConnection]:
+    """Makes connections like `client`'s. Under Sentinel they are redis-py's
+    Sentinel-managed ones, which ask the sentinels for the primary each time they connect,
+    and answer READONLY (a demoted primary) by disconnecting and raising a ConnectionError,
+    which surfaces here as `Unanswered` with `readonly(exc)` true."""
     pool = client.connection_pool
-    if isinstance(pool, SentinelConnectionPool):
-        return None
     return lambda: pool.connection_class(**pool.connection_kwargs)
+
+
+def readonly(exc: Unanswered) -> bool:
+    """Whether the connection was dropped because the server answered READONLY: then
+    nothing was written."""
+    cause = exc.__cause__
+    return cause is not None and isinstance(cause.__context__, redis.ReadOnlyError)
 
 
 def run_script(conn: AbstractConnection, sha: str, body: str, args: tuple) -> Any:
@@ -59,7 +65,7 @@ def _in_step(conn: AbstractConnection, run: Callable[..., Any], *args: Any) -> A
 
 
 def _run_script(conn: AbstractConnection, sha: str, body: str, args: tuple) -> Any:
-    _drop_if_closed(conn)
+    _connect(conn)
     conn.send_packed_command(_pack(conn, "EVALSHA", sha, *args), check_health=False)
     try:
         try:
@@ -72,12 +78,7 @@ def _run_script(conn: AbstractConnection, sha: str, body: str, args: tuple) -> A
 
 
 def _run_commands(conn: AbstractConnection, commands: tuple[tuple, ...]) -> Any:
-    _drop_if_closed(conn)
-    if getattr(conn, "_sock", None) is None:
-        try:
-            conn.connect()
-        except redis.TimeoutError as exc:  # nothing was sent: not a lost reply
-            raise redis.ConnectionError(str(exc)) from exc
+    _connect(conn)
     packed = [chunk for command in commands for chunk in _pack(conn, *command)]
     try:
         # once connected, a write that fails part way may have delivered whole commands
@@ -93,6 +94,17 @@ def _run_commands(conn: AbstractConnection, commands: tuple[tuple, ...]) -> Any:
         return reply
     except redis.ConnectionError as exc:
         raise Unanswered(str(exc)) from exc
+
+
+def _connect(conn: AbstractConnection) -> None:
+    """Connect now, not inside the send: a Sentinel connection finds its primary only in
+    connect(), and a failure here sent nothing, where one after it may have."""
+    _drop_if_closed(conn)
+    if getattr(conn, "_sock", None) is None:
+        try:
+            conn.connect()
+        except redis.TimeoutError as exc:  # nothing was sent: not a lost reply
+            raise redis.ConnectionError(str(exc)) from exc
 
 
 def _drop_if_closed(conn: AbstractConnection) -> None:
