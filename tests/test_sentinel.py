@@ -11,16 +11,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import ExitStack
 
 import pytest
 import redis
 
 import forkq
 from forkq.client import connect, mask_url
-from helpers import CommandCutter, REPO_ROOT, RedisServer, _die_with_parent, _tail, wait_until
+from helpers import CommandCutter, REPO_ROOT, RedisServer, _die_with_parent, _tail, free_port, wait_until
 
 SERVICE = "mymaster"
 
@@ -102,6 +105,106 @@ def cluster():
     finally:
         for server in reversed(servers):
             server.close()
+
+
+@pytest.fixture
+def watched():
+    """(primary, sentinel): a redis-server and one sentinel that names it, no replica."""
+    with PrimaryServer() as primary, SentinelServer(primary.port) as sentinel:
+        wait_until(lambda: sentinel.primary_port_now() == primary.port, timeout=10,
+                   interval=0.05, message="the sentinel names the primary")
+        yield primary, sentinel
+
+
+class ClosingPort:
+    """A listener that accepts each connection and closes it at once, counting them: a
+    sentinel dead behind a live socket. A client only sees the close after the accept, so
+    by the time a call returns, every connection it made has been counted."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.05)  # to notice close() without a second socket to wake it
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self._open = True
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        while self._open:
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            self.accepted += 1
+            conn.close()
+
+    def close(self):
+        self._open = False
+        self._thread.join(5)
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def black_hole(stack):
+    """A loopback port whose connects neither succeed nor fail until they time out, as to
+    a host that drops packets: a listener that never accepts, its queue filled, so the
+    kernel drops each further SYN. Its sockets close with `stack`."""
+    listener = stack.enter_context(socket.create_server(("127.0.0.1", 0), backlog=0))
+    port = listener.getsockname()[1]
+    for _ in range(16):
+        probe = stack.enter_context(socket.socket())
+        probe.settimeout(0.2)
+        try:
+            probe.connect(("127.0.0.1", port))
+        except TimeoutError:
+            return port  # the queue is full: this SYN was dropped
+    raise AssertionError("the accept queue never filled")
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_first_sentinel_is_asked_once_per_discovery_not_retried(watched):
+    primary, sentinel = watched
+    with ClosingPort() as dead:
+        url = f"redis+sentinel://127.0.0.1:{dead.port},127.0.0.1:{sentinel.port}/{SERVICE}/0"
+        client = forkq.Client(url)
+        for i in range(3):
+            assert client.push("X", [i])
+        # once: the sentinel that answered is asked first from then on (redis-py retried
+        # the dead one 10 times, with backoff, before asking the next)
+        assert dead.accepted == 1
+        assert forkq.Client(url).push("X", ["new client"])
+        assert dead.accepted == 2  # a new client discovers afresh
+
+        nobody = f"redis+sentinel://127.0.0.1:{dead.port},127.0.0.1:{free_port()}/{SERVICE}/0"
+        with pytest.raises(forkq.RedisUnavailable) as info:
+            forkq.Client(nobody).push("X", ["lost"])
+        assert dead.accepted == 3
+    message = str(info.value)
+    assert f"no sentinel named a primary for '{SERVICE}' (127.0.0.1:{dead.port}: " in message
+    assert "Connection refused" in message and "<redis" not in message and "\n" not in message
+    assert primary.client().llen("queue:default") == 4
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dead", ["refused", "black-holed"])
+def test_a_dead_first_sentinel_costs_a_new_client_one_connect_timeout_at_most(watched, dead):
+    primary, sentinel = watched
+    with ExitStack() as stack:
+        port = free_port() if dead == "refused" else black_hole(stack)
+        url = (f"redis+sentinel://127.0.0.1:{port},127.0.0.1:{sentinel.port}/{SERVICE}/0"
+               "?socket_connect_timeout=0.25")
+        started = time.monotonic()
+        assert forkq.Client(url).push("X", [dead])
+        elapsed = time.monotonic() - started
+    # redis-py's retries took about 4 s of backoff, plus 11 connect timeouts when black-holed
+    assert elapsed < 1, f"{elapsed:.2f}s"
+    assert primary.client().llen("queue:default") == 1
 
 
 class Master:
