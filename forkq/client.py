@@ -101,6 +101,9 @@ def _scheme(url: str) -> str:
 def _tls_options(query: dict[str, str], options: dict[str, Any]) -> None:
     # redis-py hands ssl_* query parameters through as text, which SSLConnection accepts;
     # check them here so a typo fails at start-up with a message, not at the first command.
+    for name in query:
+        if name.startswith("ssl_"):
+            _check_tls_name(name)
     for option, env in TLS_ENV.items():
         if option not in query and option not in options and os.environ.get(env):
             options[option] = os.environ[env]
@@ -203,16 +206,21 @@ def _connect_sentinel(url: str, options: dict[str, Any], tls: bool) -> redis.Red
 
 
 def _ssl_parameter(name: str, value: str) -> Any:
-    """A rediss+sentinel:// ssl_* query parameter, read as redis-py reads a rediss:// one;
-    a name redis-py does not take is refused here with a message, not by its TypeError."""
-    if name not in inspect.signature(redis.Redis).parameters:
-        raise ValueError(f"unknown TLS option {name!r}")
+    """A rediss+sentinel:// ssl_* query parameter, read as redis-py reads a rediss:// one."""
+    _check_tls_name(name)
     from redis.connection import URL_QUERY_ARGUMENT_PARSERS
     parse = URL_QUERY_ARGUMENT_PARSERS.get(name, str)
     try:
         return parse(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name}: bad value {value!r}") from None
+
+
+def _check_tls_name(name: str) -> None:
+    # redis-py passes an unknown query parameter on to the connection class, whose
+    # TypeError comes only at the first command (a traceback from the CLI)
+    if name not in inspect.signature(redis.Redis).parameters:
+        raise ValueError(f"unknown TLS option {name!r}")
 
 
 class _Sentinel(Sentinel):

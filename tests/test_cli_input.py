@@ -105,6 +105,15 @@ def test_out_of_range_numbers_are_refused(redis_url, tmp_path):
 
 
 @pytest.mark.timeout(30)
+def test_a_misspelled_tls_option_is_one_line_naming_it():
+    # ssl_ca_cert for ssl_ca_certs: it was a TypeError traceback from the first PING
+    url = "rediss://:hunter2@127.0.0.1:6380/0?ssl_cert_reqs=none&ssl_ca_cert=/x"
+    err = one_line(run("start", "--redis-url", url, "--require", "os"), 2,
+                   "unknown TLS option 'ssl_ca_cert'", "rediss://:***@127.0.0.1:6380/0")
+    assert "hunter2" not in err
+
+
+@pytest.mark.timeout(30)
 def test_a_closed_pipe_ends_quietly(r, redis_url):
     r.zadd("dead", {json.dumps({"class": "A", "args": [i], "jid": f"j{i}", "queue": "q"}): i
                     for i in range(20_000)})

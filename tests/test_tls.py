@@ -237,6 +237,17 @@ def test_bad_tls_options_are_a_valueerror_with_password_masked(query, problem):
     assert PASSWORD not in str(info.value)
 
 
+@pytest.mark.timeout(10)
+def test_a_misspelled_tls_option_is_refused_by_connect_not_at_the_first_command():
+    # ssl_ca_cert for ssl_ca_certs: redis-py handed it on to SSLConnection, whose
+    # TypeError came with the first command
+    url = f"rediss://:{PASSWORD}@127.0.0.1:6380/0?ssl_cert_reqs=none&ssl_ca_cert=/x"
+    with pytest.raises(ValueError) as info:
+        forkq.client.connect(url)
+    assert str(info.value) == ("bad Redis URL 'rediss://:***@127.0.0.1:6380/0?ssl_cert_reqs=none"
+                               "&ssl_ca_cert=/x': unknown TLS option 'ssl_ca_cert'")
+
+
 def test_tls_environment_variables_fill_in_missing_options(certs, monkeypatch):
     monkeypatch.setenv("FORKQ_REDIS_CA", certs["ca"])
     monkeypatch.setenv("FORKQ_REDIS_CERT", certs["client_cert"])
