@@ -156,7 +156,7 @@ def _connect_sentinel(url: str, options: dict[str, Any], tls: bool) -> redis.Red
         user, colon, pw = userinfo.partition(":")
         username = unquote(user) or None
         password = unquote(pw) if colon else None
-    sentinels = [_host_port(item) for item in hostlist.split(",")]
+    sentinels = [_host_port(item, scheme) for item in hostlist.split(",")]
     parts = [p for p in path.split("/") if p]
     if not parts:
         raise ValueError(f"no service name: write {scheme}://HOST:PORT/SERVICE[/DB]")
@@ -246,10 +246,10 @@ class _Sentinel(Sentinel):
                                   f"({'; '.join(failures)})")
 
 
-def _host_port(item: str) -> tuple[str, int]:
+def _host_port(item: str, scheme: str) -> tuple[str, int]:
     item = item.strip()
     if not item:
-        raise ValueError("no sentinel address: write redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE")
+        raise ValueError(f"no sentinel address: write {scheme}://HOST:PORT[,HOST:PORT...]/SERVICE")
     if item.startswith("["):
         host, bracket, tail = item[1:].partition("]")
         if not bracket or (tail and not tail.startswith(":")):

@@ -107,6 +107,15 @@ def cluster():
             server.close()
 
 
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("scheme", ["redis+sentinel", "rediss+sentinel"])
+def test_a_missing_sentinel_address_is_told_in_the_scheme_used(scheme):
+    with pytest.raises(ValueError) as info:
+        connect(f"{scheme}://127.0.0.1:1,/svc")
+    assert str(info.value) == (f"bad Redis URL '{scheme}://127.0.0.1:1,/svc': no sentinel "
+                               f"address: write {scheme}://HOST:PORT[,HOST:PORT...]/SERVICE")
+
+
 @pytest.fixture
 def watched():
     """(primary, sentinel): a redis-server and one sentinel that names it, no replica."""
