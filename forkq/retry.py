@@ -204,7 +204,9 @@ class Outcomes:
         elif jobdef is not None and jobdef.exhausted_hook is not None:
             try:
                 jobdef.exhausted_hook(job, exc)
-            except Exception:  # a broken hook must not lose the job: it still goes dead
+            except BaseException:  # a broken hook must not lose the job: it still goes dead
+                # (BaseException: a hook's sys.exit() would end the processor thread with
+                # the job stuck in flight, as a job's own would; see Processor._perform)
                 pass
         if job.get("dead") is False:
             return "dropped", self.drop
@@ -216,7 +218,7 @@ class Outcomes:
         if hook is not None:
             try:
                 answer = hook(count, exc)
-            except Exception:
+            except BaseException:  # SystemExit too: it would end the processor thread
                 answer = None
             if answer in ("discard", "kill"):
                 return answer

@@ -324,3 +324,22 @@ def test_unknown_class_goes_to_retry_not_dead(workers, forkq_client, r):
     assert "NoSuchJob" in job["error_message"]
     assert job["retry_count"] == 0
     assert r.zcard("dead") == 0
+
+
+@pytest.mark.timeout(30)
+def test_hooks_raising_base_exceptions_neither_strand_the_job_nor_end_the_thread(workers, forkq_client, r):
+    # a hook's SystemExit or KeyboardInterrupt ended the processor thread silently, with
+    # the job left in flight and, once every thread had gone, a worker that beat its
+    # heartbeat but ran nothing
+    worker = workers(concurrency=1)
+    retried = core_jobs.fail_exiting_retry_in.enqueue("r")
+    killed = core_jobs.fail_interrupting_exhausted.enqueue("k")
+    core_jobs.record.enqueue("after")  # one thread: it runs only if that thread lives on
+    wait_records(r, 1, worker, kind="record")
+    ((job, score),) = zset(r, "retry")
+    assert job["jid"] == retried and job["error_message"] == "exiting hook r"
+    assert job["failed_at"] + 15 <= score <= job["failed_at"] + 25  # the default backoff
+    ((job, _),) = zset(r, "dead")
+    assert job["jid"] == killed and job["error_message"] == "interrupting hook k"
+    held = [v for k in r.keys("forkq:inflight:*") for v in r.hvals(k)]
+    assert not [v for v in held if retried.encode() in v or killed.encode() in v]

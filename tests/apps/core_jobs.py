@@ -132,6 +132,28 @@ def fail_hooked(mode):
     raise HookedError(mode)
 
 
+def _exiting_retry_in(count, exc):
+    raise SystemExit("retry_in hook exits")
+
+
+@forkq.job(retry=5, retry_in=_exiting_retry_in)
+def fail_exiting_retry_in(tag):
+    """A retry_in hook that raises SystemExit: the job still goes to retry."""
+    note("fail", tag)
+    raise ValueError(f"exiting hook {tag}")
+
+
+def _interrupting_exhausted(job, exc):
+    raise KeyboardInterrupt
+
+
+@forkq.job(retry=0, retries_exhausted=_interrupting_exhausted)
+def fail_interrupting_exhausted(tag):
+    """A retries_exhausted hook that raises KeyboardInterrupt: the job still goes dead."""
+    note("fail", tag)
+    raise ValueError(f"interrupting hook {tag}")
+
+
 @forkq.job(backtrace=True)
 def fail_backtrace(tag):
     _deep_raise(tag)
