@@ -132,6 +132,11 @@ class Processor:
             # own code (signals reach only the main thread): it is that job's failure, and
             # re-raising would end this thread with the job stuck in flight.
             self.failed += 1
+            # The payload as fetched, as Sidekiq's JobRetry re-parses the job's string: what
+            # the job or a middleware did to the dict (a list arg popped empty, a datetime
+            # stored in a dict arg) must neither change what the retry runs with nor make
+            # the failure unwritable, leaving the job in flight
+            job = payload.parse(unit.raw)
             # Sidekiq retries a job on the queue it was fetched from (unless retry_queue):
             # a payload without "queue" must not come back on "default"
             job["queue"] = unit.queue

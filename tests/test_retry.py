@@ -343,3 +343,18 @@ def test_hooks_raising_base_exceptions_neither_strand_the_job_nor_end_the_thread
     assert job["jid"] == killed and job["error_message"] == "interrupting hook k"
     held = [v for k in r.keys("forkq:inflight:*") for v in r.hvals(k)]
     assert not [v for v in held if retried.encode() in v or killed.encode() in v]
+
+
+@pytest.mark.timeout(30)
+def test_a_retry_carries_the_args_as_fetched_whatever_the_job_did_to_them(workers, forkq_client, r):
+    # Sidekiq re-parses the job's string to retry it; forkq wrote back the dict the job had
+    # been handed: a list popped part way lost the items not yet done, and an object left
+    # in a dict arg made the failure unwritable, stranding the job in flight
+    worker = workers(concurrency=1)
+    jid = core_jobs.fail_mutating.enqueue(["a", "b", "c"], {"k": 1})
+    ((job, _),) = wait_zset(r, "retry", 1, worker)
+    assert job["jid"] == jid and job["error_message"] == "failed at b"
+    assert job["args"] == [["a", "b", "c"], {"k": 1}]
+    assert [rec["args"] for rec in records(r, "mutating")] == [["c"], ["b"]]
+    held = [v for k in r.keys("forkq:inflight:*") for v in r.hvals(k)]
+    assert not [v for v in held if jid.encode() in v]

@@ -154,6 +154,18 @@ def fail_interrupting_exhausted(tag):
     raise ValueError(f"interrupting hook {tag}")
 
 
+@forkq.job
+def fail_mutating(items, opts):
+    """Works through its list arg, popping each item, and fails part way; also leaves
+    something JSON cannot carry in its dict arg."""
+    while items:
+        item = items.pop()
+        note("mutating", item)
+        if item == "b":
+            opts["when"] = object()
+            raise ValueError(f"failed at {item}")
+
+
 @forkq.job(backtrace=True)
 def fail_backtrace(tag):
     _deep_raise(tag)
