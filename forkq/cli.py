@@ -373,6 +373,13 @@ def start(settings: Settings) -> int:
 def _start(settings: Settings) -> int:
     try:
         load_app(settings.require)
+    except ConfigError as exc:
+        # only forkq's own refusals: an app's ValueError at import (a bad int() of its own
+        # environment, say) keeps its traceback, as its other exceptions do, instead of
+        # passing for a forkq setting in one line that says neither where nor what
+        sys.stderr.write(f"forkq: {exc}\n")
+        return 2
+    try:
         from . import client
         client.connect(settings.redis_url)  # validates the URL before anything forks
         warn_about_redis(settings)

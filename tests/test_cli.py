@@ -64,6 +64,16 @@ def test_bad_require_fails_in_one_line(redis_url, require, expected):
 
 
 @pytest.mark.timeout(60)
+def test_an_apps_own_value_error_at_import_keeps_its_traceback(redis_url):
+    # it was printed as "forkq: invalid literal for int() with base 10: ''" and exit 2, as if
+    # it were a bad forkq setting, with nothing saying which file raised it
+    out = _forkq(["start", "--no-fork", "--require", "tests/apps/import_value_error.py"], redis_url)
+    assert out.returncode == 1, (out.returncode, out.stderr)
+    assert "Traceback" in out.stderr and "import_value_error.py" in out.stderr
+    assert "ValueError: invalid literal for int()" in out.stderr
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("url", [
     "http://127.0.0.1:6379/0",
     "redis://:hunter2@127.0.0.1:notaport/0",
