@@ -14,6 +14,10 @@ from . import config
 from .cli import ArgumentParser, _flag_type, nonempty, redis_errors, whole_number
 from .errors import ConfigError
 
+# --limit's ceiling: what itertools.islice and Redis's LRANGE indexes take; above it a list
+# ended in an internal error instead of a usage line
+LIMIT_MAX = 2 ** 62
+
 
 # sorted set -> (its actions besides list, the verb for moving entries onto their queues)
 SET_ACTIONS = {"dead": ("retry", "delete"), "retry": ("retry-now", "delete", "kill"),
@@ -40,7 +44,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("suspects", parents=[common],
                        help="a queue's crash suspects, next to run first, with their crash counts")
     p.add_argument("queue", type=nonempty, help="the queue whose suspects to list")
-    p.add_argument("--limit", type=whole_number("--limit"), default=100,
+    p.add_argument("--limit", type=whole_number("--limit", 1, LIMIT_MAX), default=100,
                    help="show at most this many (default 100)")
     for name, actions in SET_ACTIONS.items():
         p = sub.add_parser(name, help=f"list or act on the {name} set")
@@ -50,7 +54,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
         listing.add_argument("--class", dest="klass", metavar="NAME", help="only jobs of this class")
         listing.add_argument("--queue", help="only jobs of this queue")
         listing.add_argument("--malformed", action="store_true", help=MALFORMED_HELP)
-        listing.add_argument("--limit", type=whole_number("--limit"), default=100,
+        listing.add_argument("--limit", type=whole_number("--limit", 1, LIMIT_MAX), default=100,
                              help="show at most this many (default 100)")
         for verb in actions:
             a = verbs.add_parser(verb, parents=[common], help=f"{verb} the chosen entries")

@@ -123,7 +123,9 @@ def test_processes_table_and_json(r, redis_url, workers):
 @pytest.mark.timeout(30)
 def test_bad_arguments_and_unreachable_redis_are_one_line(r, redis_url):
     for args in (["dead", "retry"], ["dead", "retry", "--all", "--class", "A"], ["stats", "--days", "x"],
-                 ["retry", "list", "--limit", "0"], ["dead", "frobnicate"]):
+                 ["retry", "list", "--limit", "0"], ["dead", "frobnicate"],
+                 ["dead", "list", "--limit", "99999999999999999999"],
+                 ["suspects", "q", "--limit", "99999999999999999999"]):
         out = run(*args)
         assert out.returncode == 2, (args, out.stderr)
         assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
