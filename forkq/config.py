@@ -58,6 +58,16 @@ def positive_float(text: Any) -> float:
     return value
 
 
+# The longest time setting: thread waits refuse a timeout past threading.TIMEOUT_MAX (about
+# 292 years), and `--timeout 1e10` made every child die of OverflowError at stop, or
+# `--poll-interval 1e10` end the scheduler thread, leaving scheduled jobs unmoved. 30 years.
+SECONDS_MAX = 1e9
+
+
+def seconds(text: Any) -> float:
+    return at_most(SECONDS_MAX, positive_float)(text)
+
+
 def port(value: Any) -> int:
     if isinstance(value, bool):
         raise ValueError(f"must be a TCP port number (1-65535), not {value!r}")
@@ -151,11 +161,11 @@ OPTIONS = [
     Option("--concurrency", "concurrency", at_most(1000), "processor threads per process (default 10)", "-c"),
     Option("--queue", "queues", queue, "queue to work, NAME or NAME,WEIGHT (repeatable; default: default)",
            "-q", repeat=True, metavar="NAME[,WEIGHT]", nonempty=True),
-    Option("--timeout", "timeout", positive_float, "seconds running jobs get to finish at stop (default 25)", "-t"),
+    Option("--timeout", "timeout", seconds, "seconds running jobs get to finish at stop (default 25)", "-t"),
     Option("--redis-url", "redis_url", text, "Redis URL (default redis://127.0.0.1:6379/0)"),
     Option("--no-fork", "no_fork", switch, "run one worker in this process, without a master", is_switch=True,
            empty_ok=True),  # FORKQ_NO_FORK= is off, as in a shell
-    Option("--poll-interval", "poll_interval", positive_float,
+    Option("--poll-interval", "poll_interval", seconds,
            "average seconds between scheduled/retry polls per process (default 5)"),
     # at most a third of the heartbeat's 60 s expiry (Sidekiq's), or a live process would
     # vanish from `processes` between beats and lose a remote signal left for it
@@ -167,11 +177,11 @@ OPTIONS = [
            "json or text (default: text on a terminal, JSON otherwise)"),
     Option("--max-memory", "max_memory_mb", positive_float, "recycle a child whose RSS exceeds this many MB",
            metavar="MB"),
-    Option("--hang-timeout", "hang_timeout", positive_float,
+    Option("--hang-timeout", "hang_timeout", seconds,
            "seconds without a ping before a child is killed as hung (default 30)"),
     Option("--poison-after", "poison_after", positive_int,
            "deaths (of a child or a whole forkq) a job may cause before it goes to the dead set (default 3)"),
-    Option("--recovery-delay", "recovery_delay", positive_float,
+    Option("--recovery-delay", "recovery_delay", seconds,
            "seconds without a heartbeat before another forkq recovers a dead process's jobs (default 60)"),
     Option("--pidfile", "pidfile", text, "write the master's pid here (default $FORKQ_PIDFILE or /tmp/forkq.pid)"),
     Option("--metrics-port", "metrics_port", port,

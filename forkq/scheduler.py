@@ -99,4 +99,6 @@ class Scheduler:
         for first in pipe.execute():
             if first:
                 wait = min(wait, max(0.0, first[0][1] - now) + random.uniform(0.0, 0.05))
-        return max(wait, 0.01)
+        # average x live processes can pass what a thread wait takes (threading.TIMEOUT_MAX):
+        # the OverflowError would end this thread; a poll a day costs nothing
+        return min(max(wait, 0.01), 86400.0)

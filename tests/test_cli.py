@@ -53,6 +53,14 @@ def test_bad_arguments_fail_in_one_line(redis_url, args, expected):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag", ["--timeout", "--poll-interval", "--hang-timeout", "--recovery-delay"])
+def test_a_time_setting_past_what_a_thread_can_wait_is_refused(redis_url, flag):
+    # --timeout 1e10 was taken, and every child died of OverflowError at stop
+    _assert_one_line_error(_forkq(["start", flag, "1e10", "--print-config"], redis_url),
+                           flag, "at most")
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("require, expected", [
     ("nonexistent_mod_for_forkq", ["nonexistent_mod_for_forkq"]),
     ("tests.apps.no_such_module", ["tests.apps.no_such_module"]),

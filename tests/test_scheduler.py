@@ -108,3 +108,17 @@ def test_a_due_entry_that_cannot_be_re_encoded_does_not_stall_the_others(workers
     dead = wait_zset(r, "dead", 2, worker)
     assert all("in schedule" in entry["error_message"] for entry, _ in dead)
     assert r.zcard("schedule") == 0
+
+
+@pytest.mark.timeout(30)
+def test_the_wait_between_polls_stays_one_a_thread_can_take(r):
+    # the average (--poll-interval) times the live processes passed threading.TIMEOUT_MAX,
+    # and the OverflowError of the wait ended the scheduler thread: nothing scheduled or
+    # retried moved again
+    import threading
+
+    from forkq.scheduler import Scheduler
+    r.sadd("processes", *[f"host:{n}:000000000000" for n in range(1000)])
+    scheduler = Scheduler(r, None, average_interval=1e9)
+    waits = [scheduler._next_wait() for _ in range(20)]
+    assert all(0 < w <= threading.TIMEOUT_MAX for w in waits), max(waits)
