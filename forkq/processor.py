@@ -15,7 +15,7 @@ from .errors import MalformedPayload, UnknownJob
 from .fetch import Unit
 from .jobs import lookup
 from .metrics import JobTable
-from .retry import MALFORMED_QUEUE, Outcomes, dead_entry_for_malformed, message
+from .retry import MALFORMED_QUEUE, MESSAGE_LIMIT, Outcomes, dead_entry_for_malformed, message
 
 if TYPE_CHECKING:
     from .manager import Manager
@@ -154,7 +154,7 @@ class Processor:
                               jid=job.get("jid"))
                 return False
             log.warning("fail", elapsed_ms=round(elapsed, 2), fate=fate,
-                        error=f"{type(exc).__name__}: {message(exc)}")
+                        error=f"{type(exc).__name__}: {message(exc)[:MESSAGE_LIMIT]}")  # as stored
             return False  # the outcome write already released the in-flight entry
         if _in_copy:
             _leave_copy(None)

@@ -44,6 +44,10 @@ def test_app_log_lines_inside_a_job_carry_jid_class_queue_pid_and_slot(redis_url
         assert line["x"] == 7 and line["slot"] == 0 and isinstance(line["pid"], int)
         done = wait_until(lambda: _first(log, "done"), timeout=10)
         assert done["jid"] == jid and "elapsed_ms" in done
+        # a failure's message is logged cut as it is stored, not as a 5 MB line
+        loud = forkq.Client(redis_url).push("logging.loud_failure", [5_000_000])
+        fail = wait_until(lambda: _first(log, "fail"), timeout=10)
+        assert fail["jid"] == loud and fail["error"] == "ValueError: " + "x" * 10_000
         # a line logged after the job (the next heartbeat or stop) carries no job fields
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
