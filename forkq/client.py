@@ -88,6 +88,7 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis:
         _check_db(url)
         if scheme == "rediss":
             _tls_options(dict(parse_qsl(urlsplit(url).query)), options)
+        _check_query(url, scheme)
         return redis.Redis.from_url(url, **options)
     except ValueError as exc:
         raise ValueError(f"bad Redis URL {mask_url(url)!r}: {exc}") from None
@@ -262,6 +263,36 @@ def _host_port(item: str, scheme: str) -> tuple[str, int]:
     if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
         raise ValueError(f"bad sentinel port in {item!r}")
     return host, int(port_text)
+
+
+def _check_query(url: str, scheme: str) -> None:
+    # redis-py hands a query parameter it has no parser for to the connection class, whose
+    # TypeError comes only at the first command: a traceback from the CLI, or a worker
+    # that starts and then cannot fetch
+    from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
+    cls = {"rediss": SSLConnection, "unix": UnixDomainSocketConnection}.get(scheme, Connection)
+    accepted = _init_parameters(cls) | {"max_connections"}  # the pool's own
+    for name, _ in parse_qsl(urlsplit(url).query):
+        if name in accepted:
+            continue
+        if name.startswith("ssl") and scheme == "redis":
+            raise ValueError(f"{name} is a TLS option: write rediss:// for TLS")
+        raise ValueError(f"unknown query parameter {name!r}")
+
+
+def _init_parameters(cls: type) -> set[str]:
+    """The keyword arguments cls() takes, following **kwargs up its bases."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        names.update(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    names.discard("self")
+    return names
 
 
 def _check_db(url: str) -> None:

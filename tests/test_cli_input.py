@@ -105,11 +105,17 @@ def test_out_of_range_numbers_are_refused(redis_url, tmp_path):
 
 
 @pytest.mark.timeout(30)
-def test_a_misspelled_tls_option_is_one_line_naming_it():
+@pytest.mark.parametrize("url, says", [
     # ssl_ca_cert for ssl_ca_certs: it was a TypeError traceback from the first PING
-    url = "rediss://:hunter2@127.0.0.1:6380/0?ssl_cert_reqs=none&ssl_ca_cert=/x"
-    err = one_line(run("start", "--redis-url", url, "--require", "os"), 2,
-                   "unknown TLS option 'ssl_ca_cert'", "rediss://:***@127.0.0.1:6380/0")
+    ("rediss://:hunter2@127.0.0.1:6380/0?ssl_cert_reqs=none&ssl_ca_cert=/x",
+     "unknown TLS option 'ssl_ca_cert'"),
+    # the same traceback for any parameter redis-py has no parser for, on any scheme
+    ("redis://:hunter2@127.0.0.1:6380/0?socket_timout=2", "unknown query parameter 'socket_timout'"),
+    ("redis://:hunter2@127.0.0.1:6380/0?ssl_cert_reqs=none", "ssl_cert_reqs is a TLS option: write rediss://"),
+    ("unix://:hunter2@/tmp/redis.sock?bogus=1", "unknown query parameter 'bogus'"),
+])
+def test_a_misspelled_url_option_is_one_line_naming_it(url, says):
+    err = one_line(run("start", "--redis-url", url, "--require", "os"), 2, says, ":***@")
     assert "hunter2" not in err
 
 
