@@ -18,7 +18,9 @@ from .settings import Settings
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one readable line, exit 2, no usage dump
         command = self.prog.split(" ", 1)[1] + " " if " " in self.prog else ""
-        sys.stderr.write(f"forkq: {message} (see forkq {command}--help)\n")
+        # argparse echoes what it could not use: a Redis URL given where none is taken
+        from .client import mask_text
+        sys.stderr.write(f"forkq: {mask_text(message)} (see forkq {command}--help)\n")
         raise SystemExit(2)
 
 

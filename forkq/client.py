@@ -52,6 +52,13 @@ def mask_url(url: str) -> str:
     return _mask_query(re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:@/?#]*:)[^/?#]*@", r"\1***@", url))
 
 
+def mask_text(text: str) -> str:
+    """`text` (an error message, an echoed command line) with the password of every URL
+    in it replaced, as mask_url does for a URL alone."""
+    text = re.sub(r"([A-Za-z][A-Za-z0-9+.-]*://[^:@/?#\s]*:)[^/?#\s]*@", r"\1***@", text)
+    return re.sub(r"((?:[?&])(?:sentinel_|ssl_)?password=)[^&#\s]*", r"\1***", text)
+
+
 def _mask_query(text: str) -> str:
     # ssl_password unlocks the client certificate's private key
     return re.sub(r"((?:^|[?&])(?:sentinel_|ssl_)?password=)[^&#]*", r"\1***", text)

@@ -203,3 +203,12 @@ def test_weighted_queue_order_is_quick_with_huge_weights_and_keeps_the_odds():
     order = QueueOrder([("a", 3), ("b", 1)])
     firsts = collections.Counter(order()[0] for _ in range(20_000))
     assert 0.72 < firsts["a"] / 20_000 < 0.78  # 3 of 4, as Sidekiq's weighted order
+
+
+@pytest.mark.timeout(30)
+def test_a_url_argparse_echoes_back_has_its_password_masked():
+    # `ctl` takes no --redis-url: argparse's "unrecognized arguments" repeated the URL whole
+    url = "rediss://:hunter2@127.0.0.1:6380/0?sentinel_password=sesame"
+    err = one_line(run("ctl", "status", "--redis-url", url), 2, "unrecognized arguments",
+                   "rediss://:***@127.0.0.1:6380/0?sentinel_password=***")
+    assert "hunter2" not in err and "sesame" not in err
