@@ -161,7 +161,10 @@ def seconds(stamp: Any) -> float | None:
     if type(stamp) is float:
         return stamp
     if type(stamp) is int:
-        return stamp / 1000.0
+        # A client that writes whole seconds as an integer (Go's encoding/json drops the
+        # ".0") would otherwise read as January 1970: with retry_for, a first failure would
+        # go straight to dead. 1e11 is March 1973 in milliseconds, the year 5138 in seconds.
+        return stamp / 1000.0 if abs(stamp) >= 100_000_000_000 else float(stamp)
     return None
 
 

@@ -127,6 +127,7 @@ def test_display_name_uses_wrapped():
 def test_seconds_accepts_float_seconds_and_integer_milliseconds():
     assert payload.seconds(1795347542.25) == 1795347542.25
     assert payload.seconds(1795347542250) == 1795347542.25  # Sidekiq 8: integer ms
+    assert payload.seconds(1795347542) == 1795347542.0  # whole seconds from a non-Ruby client
     assert payload.seconds("1795347542") is None
     assert payload.seconds(None) is None
 

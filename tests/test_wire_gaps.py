@@ -98,6 +98,18 @@ def test_retry_for_past_the_first_failure_exhausts_the_retries(r):
     assert Outcomes(r, key).failed(payload, RuntimeError("boom"), "1", None) == "dead"
 
 
+@pytest.mark.timeout(10)
+def test_retry_for_counts_from_a_failed_at_in_whole_integer_seconds(r):
+    """A non-Ruby client may write failed_at as an integer of seconds (Go's encoding/json
+    writes 1795347542.0 as 1795347542). Read as Sidekiq 8's milliseconds that is January
+    1970, and retry_for 1 hour would kill the job at its next failure."""
+    key = keys.inflight(IDENTITY)
+    payload = {"class": "gone.X", "args": [], "jid": "c" * 24, "queue": "default", "retry": True,
+               "retry_for": 3600, "retry_count": 0, "failed_at": int(time.time()) - 60}
+    r.hset(key, "1", "default\n" + json.dumps(payload))
+    assert Outcomes(r, key).failed(payload, RuntimeError("boom"), "1", None) == "retry"
+
+
 def test_the_lua_dead_trim_uses_the_same_limits_as_python():
     from forkq import scripts
     text = scripts.source("requeue_all")
