@@ -109,9 +109,6 @@ def _scheme(url: str) -> str:
 def _tls_options(query: dict[str, str], options: dict[str, Any]) -> None:
     # redis-py hands ssl_* query parameters through as text, which SSLConnection accepts;
     # check them here so a typo fails at start-up with a message, not at the first command.
-    for name in query:
-        if name.startswith("ssl_"):
-            _check_tls_name(name)
     for option, env in TLS_ENV.items():
         if option not in query and option not in options and os.environ.get(env):
             options[option] = os.environ[env]
@@ -227,7 +224,8 @@ def _ssl_parameter(name: str, value: str) -> Any:
 def _check_tls_name(name: str) -> None:
     # redis-py passes an unknown query parameter on to the connection class, whose
     # TypeError comes only at the first command (a traceback from the CLI)
-    if name not in inspect.signature(redis.Redis).parameters:
+    from redis.connection import SSLConnection
+    if name not in _init_parameters(SSLConnection):
         raise ValueError(f"unknown TLS option {name!r}")
 
 
@@ -284,6 +282,8 @@ def _check_query(url: str, scheme: str) -> None:
             continue
         if name.startswith("ssl") and scheme == "redis":
             raise ValueError(f"{name} is a TLS option: write rediss:// for TLS")
+        if name.startswith("ssl_") and scheme == "rediss":
+            raise ValueError(f"unknown TLS option {name!r}")
         raise ValueError(f"unknown query parameter {name!r}")
 
 

@@ -339,13 +339,18 @@ class CommandCutter:
     """A loopback TCP proxy to a Redis port that, once a client sends a request holding
     `marker` (say b"LPUSH"), swallows that connection's next reply and closes it: the
     command ran, and its client never hears so. Other connections through it (a
-    sentinel's pings) pass untouched."""
+    sentinel's pings) pass untouched. Made with `armed=False` it cuts nothing until
+    `armed` is set; with the empty marker it then cuts the next reply on any connection
+    (one already blocked in a command, say). It cuts once."""
 
-    def __init__(self, port: int, marker: bytes) -> None:
+    def __init__(self, port: int, marker: bytes = b"", armed: bool = True) -> None:
         self._target = port
         self._marker = marker
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
+        self.armed = threading.Event()
+        if armed:
+            self.armed.set()
         self.cut = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -364,9 +369,9 @@ class CommandCutter:
     def _pump(self, src, dst, replies, marked) -> None:
         try:
             while data := src.recv(65536):
-                if not replies and not self.cut.is_set() and self._marker in data:
+                if not replies and self._marker in data:
                     marked.set()
-                elif replies and marked.is_set() and not self.cut.is_set():
+                elif replies and marked.is_set() and self.armed.is_set() and not self.cut.is_set():
                     self.cut.set()
                     break
                 dst.sendall(data)

@@ -25,7 +25,7 @@ from forkq.fetch import ReliableFetch, Waiters
 from forkq.queues import QueueOrder
 from corekit import (UnixSocketRedis, core_jobs, forkq_client, queued, records,  # noqa: F401
                      seen, wait_records, workers)
-from helpers import wait_until
+from helpers import CommandCutter, wait_until
 
 IDENTITY = re.compile(r"\A[^:]+:\d+:[0-9a-f]{12}\Z")
 
@@ -393,55 +393,12 @@ def test_a_fetch_sent_again_after_a_lost_reply_claims_nothing_twice(own_redis):
         admin.close()
 
 
-class ReplyCutter:
-    """A loopback TCP proxy to Redis that, when armed, swallows the next reply and closes
-    that connection: the command ran, and its client never hears so."""
-
-    def __init__(self, port):
-        self._target = port
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self.armed = threading.Event()
-        self.cut = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self._target))
-            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
-
-    def _pump(self, src, dst, replies):
-        try:
-            while data := src.recv(65536):
-                if replies and self.armed.is_set():
-                    self.armed.clear()
-                    self.cut.set()
-                    break
-                dst.sendall(data)
-        except OSError:
-            pass
-        for sock in (src, dst):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
-
-    def close(self):
-        self._listener.close()
-
-
 @pytest.mark.timeout(20)
 def test_a_blocking_wait_whose_reply_is_lost_still_hands_over_its_job(own_redis):
     """A BLMOVE whose reply is lost has moved a job into the landing list. Sent again
     (redis-py retries on a broken connection) it would block on an empty queue and the
     fetcher would never look at that list: the job would wait for the next arrival."""
-    cutter = ReplyCutter(own_redis.port)
+    cutter = CommandCutter(own_redis.port, armed=False)  # BLMOVE is sent before arming
     admin = own_redis.client()
     fetch = ReliableFetch(admin, "test:1:000000000000", QueueOrder([("default", 0)]),
                           block_timeout=1.0, direct=False)
