@@ -1,4 +1,4 @@
-"""The admin commands: `forkq stats`, `queues`, `processes`, `busy` and the dead, retry
+"""The admin commands: `forkq stats`, `queues`, `processes`, `busy`, `suspects` and the dead, retry
 and schedule sets. Read-only views and bulk actions on what is in Redis, as tables for
 people and --json for scripts; the data comes from forkq.api."""
 
