@@ -229,15 +229,37 @@ def _check_tls_name(name: str) -> None:
         raise ValueError(f"unknown TLS option {name!r}")
 
 
+# The sentinel that last named a primary, per list of sentinels, for this process and
+# the children it forks: each Client, worker connection pool and CLI command builds its
+# own _Sentinel, and each would otherwise try the URL's first sentinel first. One that
+# drops packets cost every one of them a connect timeout (5 s by default).
+_answered: dict[tuple[tuple[str, int], ...], tuple[str, int]] = {}
+
+
+def _address(sentinel: redis.Redis) -> tuple[str, int]:
+    kwargs = sentinel.connection_pool.connection_kwargs
+    return kwargs["host"], kwargs["port"]
+
+
 class _Sentinel(Sentinel):
     """redis-py's Sentinel, with a readable error when no sentinel names a primary: its own
     shows each sentinel as its client's whole repr and each failure only by class
-    ("network:ConnectionError"), hiding a refused connection or TLS handshake."""
+    ("network:ConnectionError"), hiding a refused connection or TLS handshake. It asks
+    first the sentinel that answered last in this process."""
+
+    def __init__(self, sentinels: list[tuple[str, int]], **kwargs: Any) -> None:
+        super().__init__(sentinels, **kwargs)
+        self._addresses = tuple(_address(s) for s in self.sentinels)
+        last = _answered.get(self._addresses)
+        if last is not None and last in self._addresses:
+            i = self._addresses.index(last)
+            self.sentinels.insert(0, self.sentinels.pop(i))
 
     def discover_master(self, service_name: str) -> tuple[str, int]:
         failures = []
         for i, sentinel in enumerate(self.sentinels):
-            where = "{host}:{port}".format_map(sentinel.connection_pool.connection_kwargs)
+            host, port = _address(sentinel)
+            where = f"{host}:{port}"
             try:
                 state = sentinel.sentinel_masters().get(service_name)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -246,6 +268,7 @@ class _Sentinel(Sentinel):
             if state and self.check_master_state(state, service_name):
                 # ask this one first next time, as redis-py does
                 self.sentinels[0], self.sentinels[i] = sentinel, self.sentinels[0]
+                _answered[self._addresses] = (host, port)
                 return state["ip"], state["port"]
             failures.append(f"{where}: " + ("reports it down" if state else "does not monitor it"))
         raise MasterNotFoundError(f"no sentinel named a primary for {service_name!r} "

@@ -187,13 +187,15 @@ def test_a_dead_first_sentinel_is_asked_once_per_discovery_not_retried(watched):
         # once: the sentinel that answered is asked first from then on (redis-py retried
         # the dead one 10 times, with backoff, before asking the next)
         assert dead.accepted == 1
+        # a new client in this process asks the sentinel that answered first too: every
+        # Client, worker pool and forked child used to pay for the dead one again
         assert forkq.Client(url).push("X", ["new client"])
-        assert dead.accepted == 2  # a new client discovers afresh
+        assert dead.accepted == 1
 
         nobody = f"redis+sentinel://127.0.0.1:{dead.port},127.0.0.1:{free_port()}/{SERVICE}/0"
         with pytest.raises(forkq.RedisUnavailable) as info:
             forkq.Client(nobody).push("X", ["lost"])
-        assert dead.accepted == 3
+        assert dead.accepted == 2
     message = str(info.value)
     assert f"no sentinel named a primary for '{SERVICE}' (127.0.0.1:{dead.port}: " in message
     assert "Connection refused" in message and "<redis" not in message and "\n" not in message
@@ -214,6 +216,23 @@ def test_a_dead_first_sentinel_costs_a_new_client_one_connect_timeout_at_most(wa
     # redis-py's retries took about 4 s of backoff, plus 11 connect timeouts when black-holed
     assert elapsed < 1, f"{elapsed:.2f}s"
     assert primary.client().llen("queue:default") == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_black_holed_first_sentinel_is_paid_for_once_per_process(watched):
+    """Each Client (and each worker connection pool, child and CLI command) builds its own
+    Sentinel manager; the one that answered is remembered for the process."""
+    primary, sentinel = watched
+    with ExitStack() as stack:
+        url = (f"redis+sentinel://127.0.0.1:{black_hole(stack)},127.0.0.1:{sentinel.port}"
+               f"/{SERVICE}/0?socket_connect_timeout=2")
+        assert forkq.Client(url).push("X", ["first"])  # pays one connect timeout
+        started = time.monotonic()
+        for i in range(3):
+            assert forkq.Client(url).push("X", [i])
+        elapsed = time.monotonic() - started
+    assert elapsed < 1, f"three new clients took {elapsed:.2f}s"
+    assert primary.client().llen("queue:default") == 4
 
 
 class Master:
