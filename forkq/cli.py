@@ -165,7 +165,54 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, dict[str, str]]:
     return config.resolve(flags, config_path=config.config_path(args.config))
 
 
+# Values that name files may hold any bytes the file system does; every other value ends
+# up in Redis or HTTP, where it must be UTF-8
+_PATH_FLAGS = {"--require", "-r", "--pidfile", "--config"}
+_PATH_ENV = {"FORKQ_REQUIRE", "FORKQ_PIDFILE", "FORKQ_CONFIG", "FORKQ_REDIS_CA", "FORKQ_REDIS_CERT",
+             "FORKQ_REDIS_KEY"}
+_SECRET_FLAGS = {"--password", "--token"}
+
+
+def not_utf8(argv: list[str], environ: dict[str, str]) -> str | None:
+    """Name the first argument or FORKQ_* variable that is not UTF-8 (Python keeps such bytes
+    as lone surrogates, which fail only deep inside, as "'utf-8' codec can't encode")."""
+    from .client import mask_text
+    for i, arg in enumerate(argv):
+        if _encodes(arg):
+            continue
+        flag, value = arg, ""
+        if arg.startswith("--") and "=" in arg:
+            flag, value = arg.split("=", 1)
+        elif arg.startswith("-") and not arg.startswith("--"):
+            flag, value = arg[:2], arg[2:]
+        elif i and argv[i - 1].startswith("-") and "=" not in argv[i - 1]:
+            flag, value = argv[i - 1], arg
+        if flag in _PATH_FLAGS:
+            continue
+        if not value or not _encodes(flag):
+            flag = ""  # a positional argument, or an option's own name
+        shown = "" if flag in _SECRET_FLAGS else \
+            " (" + mask_text(os.fsencode(value or arg).decode("utf-8", "backslashreplace")) + ")"
+        return (f"the value of {flag}{shown}" if flag else f"the argument{shown}") + " is not valid UTF-8"
+    for name in sorted(environ):
+        if name.startswith("FORKQ_") and name not in _PATH_ENV and not _encodes(environ[name]):
+            return f"{name} is not valid UTF-8"
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
+    bad = not_utf8(sys.argv[1:] if argv is None else argv, dict(os.environ))
+    if bad:
+        sys.stderr.write(f"forkq: {bad}; only file paths may be other bytes\n")
+        return 2
     args = build_parser().parse_args(argv)
     if getattr(args, "handler", None):  # subcommands that run themselves (forkq web)
         return args.handler(args)

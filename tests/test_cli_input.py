@@ -212,3 +212,31 @@ def test_a_url_argparse_echoes_back_has_its_password_masked():
     err = one_line(run("ctl", "status", "--redis-url", url), 2, "unrecognized arguments",
                    "rediss://:***@127.0.0.1:6380/0?sentinel_password=***")
     assert "hunter2" not in err and "sesame" not in err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, env, says", [
+    (["suspects", "q\udcff"], {}, "the argument (q\\xff) is not valid UTF-8"),
+    (["dead", "delete", "--jid", "\udcff"], {}, "the value of --jid (\\xff) is not valid UTF-8"),
+    (["retry", "delete", "--jid=a\udcff"], {}, "the value of --jid (a\\xff) is not valid UTF-8"),
+    (["start", "-q\udcff"], {}, "the value of -q (\\xff) is not valid UTF-8"),
+    (["web", "--password", "pw\udcff"], {}, "the value of --password is not valid UTF-8"),
+    (["ctl", "status", "--redis-url", "redis://:pw\udcff@h:1"], {},
+     "the value of --redis-url (redis://:***@h:1) is not valid UTF-8"),
+    (["web"], {"FORKQ_WEB_PASSWORD": "pw\udcff"}, "FORKQ_WEB_PASSWORD is not valid UTF-8"),
+    (["queues"], {"FORKQ_REDIS_URL": "redis://h\udcff:1/0"}, "FORKQ_REDIS_URL is not valid UTF-8"),
+])
+def test_bytes_that_are_not_utf8_are_named_in_one_line(args, env, says, monkeypatch):
+    """They used to surface as "'utf-8' codec can't encode character '\\udcff'", naming
+    neither the argument nor the variable."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    err = one_line(run(*args), 2, says, "only file paths may be other bytes")
+    assert "pw" not in err  # a password is named, never shown
+
+
+@pytest.mark.timeout(30)
+def test_a_file_path_may_be_any_bytes(tmp_path):
+    pidfile = os.fsdecode(bytes(tmp_path) + b"/forkq-\xff.pid")
+    err = one_line(run("ctl", "status", "--pidfile", pidfile), 1, "no forkq master")
+    assert "not valid UTF-8" not in err
