@@ -191,14 +191,17 @@ class Outcomes:
         if retry_option(job, jobdef) is False:
             return "dropped", self.drop
         record_failure(job, exc, now)
+        # Before the retry-or-dead decision, as Sidekiq's JobRetry does: a dead entry names
+        # the retry queue too, so Sidekiq's (or forkq's) "Retry" of a dead job sends it
+        # there and not back among the fresh jobs retry_queue keeps it away from
+        if type(job.get("retry_queue")) is str:
+            job["queue"] = job["retry_queue"]
         count = job["retry_count"]
         if count < limit and not _retry_for_over(job, now):
             decision = self._decide(jobdef, count, exc)
             if decision == "discard":
                 return "discarded", self.drop
             if decision != "kill":
-                if type(job.get("retry_queue")) is str:
-                    job["queue"] = job["retry_queue"]
                 at = now + min(decision, MAX_DELAY_S)
                 return "retry", lambda token: self.to_retry(job, token, at)
         elif jobdef is not None and jobdef.exhausted_hook is not None:

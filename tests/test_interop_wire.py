@@ -1,0 +1,63 @@
+"""What forkq writes, read and acted on by Ruby Sidekiq 6.4.1 (and compared with what
+Sidekiq itself writes in the same case): dead entries of jobs with a retry_queue.
+
+Needs Debian's ruby-sidekiq (the `sidekiq_ruby` fixture skips otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from forkq import keys
+from forkq.retry import Outcomes
+from helpers import wait_until
+
+IDENTITY = "interop:1:abcdefabcdef"
+
+
+def _ruby(sidekiq_ruby, redis_url, script: str) -> str:
+    out = subprocess.run([sidekiq_ruby.ruby, "-e", 'require "sidekiq"; require "sidekiq/api"; ' + script],
+                         env=sidekiq_ruby._env(redis_url), capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _ruby_push(sidekiq_ruby, redis_url, item: dict) -> str:
+    return _ruby(sidekiq_ruby, redis_url,
+                 f"puts Sidekiq::Client.push(JSON.parse({json.dumps(json.dumps(item))}))").strip()
+
+
+def _fail_in_forkq(r, raw: bytes, queue: str, exc: BaseException) -> str:
+    """What a forkq processor does with a job fetched from `queue` that raised `exc`."""
+    key = keys.inflight(IDENTITY)
+    r.hset(key, "1\n" + queue, raw)
+    job = json.loads(raw)
+    job["queue"] = queue
+    return Outcomes(r, key).failed(job, exc, "1\n" + queue, None)
+
+
+@pytest.mark.timeout(90)
+def test_a_dead_job_with_a_retry_queue_goes_back_to_it_as_sidekiqs_does(sidekiq_ruby, redis_url, r,
+                                                                      tmp_path):
+    item = {"class": "DoomedJob", "queue": "default", "args": [1], "retry": 0,
+            "retry_queue": "other"}
+    # Sidekiq's own: its worker (tests/interop/worker.rb) kills the job at its first failure
+    ruby_jid = _ruby_push(sidekiq_ruby, redis_url, item)
+    with sidekiq_ruby.server(redis_url, queues=["default"], log_path=tmp_path / "sidekiq.log"):
+        wait_until(lambda: r.zcard("dead") == 1, timeout=30, message="Sidekiq killed its job")
+    # forkq's: the same push, failed by forkq
+    forkq_jid = _ruby_push(sidekiq_ruby, redis_url, item)
+    raw = r.rpop("queue:default")  # fetched
+    assert _fail_in_forkq(r, raw, "default", RuntimeError("doomed")) == "dead"
+
+    dead = {e["jid"]: e for e in map(json.loads, r.zrange("dead", 0, -1))}
+    assert dead[ruby_jid]["queue"] == "other"
+    assert dead[forkq_jid]["queue"] == "other"
+
+    # the Web UI's Retry on each: both go to the retry queue, neither back to default
+    _ruby(sidekiq_ruby, redis_url, "Sidekiq::DeadSet.new.each(&:retry)")
+    assert r.llen("queue:default") == 0
+    assert {json.loads(raw)["jid"] for raw in r.lrange("queue:other", 0, -1)} == {ruby_jid, forkq_jid}
