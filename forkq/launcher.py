@@ -40,6 +40,8 @@ class Launcher:
         self.info = dict(info, identity=identity, hostname=socket.gethostname(), pid=os.getpid(),
                          started_at=time.time())
         self.info_json = json.dumps(self.info)
+        concurrency = self.info.get("concurrency")
+        self._concurrency = concurrency if type(concurrency) is int else 0
         self.on_signal = on_signal
         self.interval = interval
         self._flushed = (0, 0)
@@ -146,7 +148,10 @@ class Launcher:
         pipe.hset(self.identity, mapping={
             "info": self.info_json, "busy": len(running), "beat": time.time(), "rtt_us": rtt_us,
             "quiet": "true" if self.manager.quiet_flag else "false",
-            "rss": self._proc.memory_info().rss // 1024})
+            "rss": self._proc.memory_info().rss // 1024,
+            # Sidekiq 8.1.2+ reads a process's thread count from this field, not from info:
+            # without it its Web UI shows forkq with 0 threads and 0% utilisation
+            "concurrency": self._concurrency})
         pipe.expire(self.identity, keys.HEARTBEAT_TTL_S)
         suspect_keys = list(self.manager.fetch.suspect_keys.values())
         for key in suspect_keys:

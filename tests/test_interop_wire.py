@@ -1,7 +1,8 @@
 """What forkq writes, read and acted on by Ruby Sidekiq 6.4.1 (and compared with what
-Sidekiq itself writes in the same case): dead entries of jobs with a retry_queue.
+Sidekiq itself writes in the same case): dead entries of jobs with a retry_queue, and the
+heartbeat fields later Sidekiqs read.
 
-Needs Debian's ruby-sidekiq (the `sidekiq_ruby` fixture skips otherwise).
+The Ruby tests need Debian's ruby-sidekiq (the `sidekiq_ruby` fixture skips otherwise).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import subprocess
 
 import pytest
 
+from corekit import workers  # noqa: F401
 from forkq import keys
 from forkq.retry import Outcomes
 from helpers import wait_until
@@ -61,3 +63,17 @@ def test_a_dead_job_with_a_retry_queue_goes_back_to_it_as_sidekiqs_does(sidekiq_
     _ruby(sidekiq_ruby, redis_url, "Sidekiq::DeadSet.new.each(&:retry)")
     assert r.llen("queue:default") == 0
     assert {json.loads(raw)["jid"] for raw in r.lrange("queue:other", 0, -1)} == {ruby_jid, forkq_jid}
+
+
+@pytest.mark.timeout(60)
+def test_the_heartbeat_carries_the_thread_count_where_sidekiq_8_reads_it(workers, redis_url, r,
+                                                                         sidekiq_ruby):
+    worker = workers(concurrency=3)
+    # Sidekiq 8.1.2+'s ProcessSet#each (and ProcessSet.[]): HMGET of these fields, then
+    # "concurrency" => concurrency.to_i over info's; its Web UI's Threads column and
+    # total come from there (lib/sidekiq/api.rb, commit 29f18983)
+    info, concurrency = r.hmget(worker.identity, "info", "concurrency")
+    assert json.loads(info)["concurrency"] == 3  # what 6.x, 7.x and 8.0-8.1.1 read
+    assert concurrency == b"3"
+    # and Sidekiq 6.4.1 still reads the heartbeat as before
+    assert _ruby(sidekiq_ruby, redis_url, "puts Sidekiq::ProcessSet.new.total_concurrency").strip() == "3"
