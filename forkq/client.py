@@ -398,6 +398,8 @@ class Client:
         run_at = None if at is None else epoch(at)
         now = time.time()
         if run_at is not None and run_at > now:
+            for q in {j.get("queue", "default") for j in jobs}:  # the scheduler's default
+                payload.check_queue(q)
             scored = [part for j in jobs for part in (run_at, encode(j))]
             self._send([("ZADD", keys.SCHEDULE, *scored)])
             return [j["jid"] for j in jobs]
@@ -405,6 +407,8 @@ class Client:
         for j in jobs:
             j["enqueued_at"] = now
             by_queue.setdefault(j["queue"], []).append(encode(j))
+        for q in by_queue:
+            payload.check_queue(q)
         # SADD and LPUSH per queue, as Sidekiq's client sends them (not atomic together: a
         # queue named in `queues` with nothing pushed is harmless)
         self._send([command for q, raws in by_queue.items()

@@ -117,6 +117,18 @@ def check_args(args: Any) -> list:
     return args
 
 
+def check_queue(name: Any) -> str:
+    """Return name if a job can be pushed to it, else raise as Sidekiq's client refuses an
+    empty one: such a job would wait forever on a queue no worker can be told to serve
+    (--queue takes neither an empty name nor a newline), or, scheduled, be moved to the dead
+    set as malformed by the scheduler."""
+    if type(name) is not str:
+        raise TypeError(f"a job's queue must be a str, not {type(name).__name__} ({name!r})")
+    if not name or "\n" in name:
+        raise ValueError(f"a job's queue must be a non-empty name without a newline, not {name!r}")
+    return name
+
+
 def build(name: str, args: list, queue: str = "default", retry: bool | int = True,
           now: float | None = None, **extra: Any) -> dict[str, Any]:
     """A new job, fields in Sidekiq's order; extra options (backtrace, retry_queue...) kept."""

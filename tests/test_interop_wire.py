@@ -1,6 +1,6 @@
 """What forkq writes, read and acted on by Ruby Sidekiq 6.4.1 (and compared with what
-Sidekiq itself writes in the same case): dead entries of jobs with a retry_queue, and the
-heartbeat fields later Sidekiqs read.
+Sidekiq itself writes in the same case): dead entries of jobs with a retry_queue, the
+heartbeat fields later Sidekiqs read, and the queue names Sidekiq's client refuses.
 
 The Ruby tests need Debian's ruby-sidekiq (the `sidekiq_ruby` fixture skips otherwise).
 """
@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import pytest
 
+import forkq
 from corekit import workers  # noqa: F401
 from forkq import keys
 from forkq.retry import Outcomes
@@ -77,3 +79,26 @@ def test_the_heartbeat_carries_the_thread_count_where_sidekiq_8_reads_it(workers
     assert concurrency == b"3"
     # and Sidekiq 6.4.1 still reads the heartbeat as before
     assert _ruby(sidekiq_ruby, redis_url, "puts Sidekiq::ProcessSet.new.total_concurrency").strip() == "3"
+
+
+@pytest.mark.timeout(30)
+def test_a_push_to_an_empty_queue_name_is_refused_as_sidekiqs_client_refuses_it(sidekiq_ruby,
+                                                                             redis_url, r):
+    refused = _ruby(sidekiq_ruby, redis_url, 'begin; Sidekiq::Client.push("class" => "X", '
+                    '"args" => [], "queue" => ""); rescue ArgumentError => e; puts e.message; end')
+    assert "valid queue name" in refused
+    client = forkq.Client(redis_url)
+    for at in (None, time.time() + 60):
+        with pytest.raises(ValueError, match="non-empty name"):
+            client.push("X", [1], queue="", at=at)
+        # forkq's scheduler would kill it as malformed, and no --queue can name it
+        with pytest.raises(ValueError, match="newline"):
+            client.push_bulk("X", [[1], [2]], queue="a\nb", at=at)
+        with pytest.raises(TypeError, match="must be a str, not int"):
+            client.push("X", [1], queue=5, at=at)
+    assert r.keys("*") == []
+    # a middleware may set the queue too
+    renamed = forkq.Client(redis_url, middleware=[lambda job: {**job, "queue": ""}])
+    with pytest.raises(ValueError, match="non-empty name"):
+        renamed.push("X", [1])
+    assert r.keys("*") == []
