@@ -96,12 +96,17 @@ def record_failure(job: dict[str, Any], exc: BaseException, now: float) -> None:
         job["failed_at"] = now
     keep = job.get("backtrace")
     if keep:
-        lines = traceback.format_exception(exc)
-        lines = [ln.rstrip("\n") for chunk in lines for ln in chunk.splitlines()]
+        # The frames only, as a Ruby backtrace holds: no "Traceback" header and no
+        # "KeyError: ..." line. Sidekiq's Web UI escapes error_message but writes the
+        # backtrace lines into its page as they are (they are file names and line numbers
+        # in Ruby), so a message holding the job's input, "<img src=x onerror=...>" say,
+        # ran as script in the browser of whoever opened the retry or the dead job.
+        lines = [ln.rstrip("\n") for chunk in traceback.format_tb(exc.__traceback__)
+                 for ln in chunk.splitlines()]
         if type(keep) is int and keep is not True:
             # Ruby backtraces start at the raise, so Sidekiq's "first N lines" are the ones
-            # nearest the error; in Python's order those are the last N (the first are the
-            # "Traceback" header and forkq's own frames).
+            # nearest the error; in Python's order those are the last N (the first are
+            # forkq's own frames).
             lines = lines[-keep:]
         job["error_backtrace"] = payload.encode_backtrace([_utf8(ln) for ln in lines])
 

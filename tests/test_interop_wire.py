@@ -102,3 +102,35 @@ def test_a_push_to_an_empty_queue_name_is_refused_as_sidekiqs_client_refuses_it(
     with pytest.raises(ValueError, match="non-empty name"):
         renamed.push("X", [1])
     assert r.keys("*") == []
+
+
+def _raise(exc: BaseException) -> BaseException:
+    try:
+        raise exc
+    except BaseException as caught:
+        return caught
+
+
+@pytest.mark.timeout(60)
+def test_sidekiqs_web_ui_shows_a_forkq_backtrace_without_running_the_jobs_input(sidekiq_ruby,
+                                                                              redis_url, r):
+    attack = "<img src=x onerror=alert(document.cookie)>"
+    job = {"class": "Signup", "args": [attack], "jid": "a" * 24, "queue": "default",
+           "retry": True, "backtrace": True}
+    exc = _raise(ValueError(f"not an e-mail address: {attack}"))
+    assert _fail_in_forkq(r, json.dumps(job).encode(), "default", exc) == "retry"
+
+    # Sidekiq 6.4.1's retry page (7.x's and 8.x's write the backtrace the same way: plain
+    # ERB, lines joined with <br/>, not escaped)
+    page = _ruby(sidekiq_ruby, redis_url, """
+        require "sidekiq/web"; require "rack/mock"
+        e = Sidekiq::RetrySet.new.first
+        res = Rack::MockRequest.new(Sidekiq::Web.new).get("/retries/#{e.score}-#{e.jid}",
+                                                          "rack.session" => {})
+        abort("status #{res.status}") unless res.status == 200
+        puts Sidekiq::RetrySet.new.first.error_backtrace.inspect
+        print res.body""")
+    frames, body = page.split("\n", 1)
+    assert "in _raise" in frames  # Sidekiq reads the frames
+    assert "&lt;img src=x onerror" in body  # the message, escaped by Sidekiq
+    assert "<img src=x" not in body

@@ -188,13 +188,15 @@ def test_backtrace_option_stores_a_decodable_error_backtrace(workers, forkq_clie
     assert all(isinstance(line, str) for line in lines)
     text = "\n".join(lines)
     assert "_deep_raise" in text and "fail_backtrace" in text
-    assert "KeyError: 'deep all'" in text
+    # frames only, as in a Ruby backtrace: the message is error_message's (Sidekiq's Web UI
+    # escapes that one and not the backtrace)
+    assert "deep all" not in text and not text.startswith("Traceback")
 
     short = decode_backtrace(entries[three]["error_backtrace"])
     assert len(short) == 3
     # the lines kept are the ones nearest the error, as Sidekiq's first N Ruby lines are
     assert "_deep_raise" in "\n".join(short)
-    assert short[-1] == "KeyError: 'deep three'"
+    assert short[-1].strip() == 'raise KeyError(f"deep {tag}")'
 
 
 @pytest.mark.timeout(30)
@@ -310,7 +312,7 @@ def test_an_error_message_with_a_lone_surrogate_still_retries(workers, forkq_cli
     ((job, _),) = wait_zset(r, "retry", 1, worker)
     assert job["jid"] == jid
     assert job["error_message"] == "no such file: bad-\\udcff"
-    assert "no such file: bad-\\udcff" in "\n".join(decode_backtrace(job["error_backtrace"]))
+    assert "in fail_surrogate" in "\n".join(decode_backtrace(job["error_backtrace"]))
     assert r.zcard("dead") == 0
 
 
