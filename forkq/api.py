@@ -167,7 +167,8 @@ def _process(hb: dict[str, Any]) -> ProcessInfo:
     master = info.get("master")
     return ProcessInfo(hb["identity"], info.get("hostname"), _int("pid"), _int("slot"),
                        master if isinstance(master, str) and master else None, hb["busy"],
-                       _int("concurrency"), hb["rss_kb"], hb["beat_age"], hb["quiet"],
+                       hb.get("concurrency") or _int("concurrency"), hb["rss_kb"], hb["beat_age"],
+                       hb["quiet"],
                        [q for q in info.get("queues", []) if isinstance(q, str)])
 
 

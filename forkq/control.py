@@ -175,6 +175,8 @@ def heartbeats(conn: redis.Redis) -> list[dict[str, Any]]:
         out.append({"identity": m.decode("utf-8", "replace"), "info": info,
                     "busy": _number(h.get(b"busy"), int), "quiet": h.get(b"quiet") == b"true",
                     "rss_kb": _number(h.get(b"rss"), int),
+                    # Sidekiq 8.1.2+ keeps its thread count here and no longer in info
+                    "concurrency": _number(h.get(b"concurrency"), int) or None,
                     "beat_age": now - beat if beat and math.isfinite(beat) else None})
     return out
 

@@ -203,3 +203,17 @@ def test_crash_suspects_counted_per_queue_and_in_stats_and_listed_next_first(r, 
     garbage = api.Suspects(conn, "idle").page(0, 10)
     assert [(e.job, e.crashes) for e in garbage] == [(None, 0)]
     assert api.Suspects(conn, "unlisted").size() == 1
+
+
+@pytest.mark.timeout(20)
+def test_a_sidekiq_8_heartbeat_gives_its_thread_count_from_its_own_field(r, redis_url):
+    """Sidekiq 8.1.2+ writes `concurrency` beside `info` and no longer inside it; older
+    Sidekiqs (and forkq before its own field) have it in `info` only."""
+    info = {"hostname": "rb", "pid": 7, "queues": ["default"], "identity": "rb:7:new"}
+    r.sadd("processes", "rb:7:new", "rb:8:old")
+    r.hset("rb:7:new", mapping={"info": json.dumps(info), "busy": 1, "beat": time.time(),
+                                "concurrency": 5, "quiet": "false", "rss": 100})
+    r.hset("rb:8:old", mapping={"info": json.dumps(dict(info, pid=8, concurrency=3)), "busy": 0,
+                                "beat": time.time(), "quiet": "false", "rss": 100})
+    found = {p.identity: p.concurrency for g in api.processes(r) for p in g.processes}
+    assert found == {"rb:7:new": 5, "rb:8:old": 3}
