@@ -210,8 +210,8 @@ def _args_text(job: dict | None) -> str:
 
 
 def _enqueued_at(job: dict | None) -> float:
-    at = (job or {}).get("enqueued_at")
-    return float(at) if isinstance(at, (int, float)) else float("inf")
+    from . import api
+    return api.stamp((job or {}).get("enqueued_at")) or math.inf
 
 
 def _busy(conn, args):

@@ -14,6 +14,7 @@ still reads them.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -61,8 +62,15 @@ def _latency(raw: bytes | None, now: float) -> float:
         job = payload.parse(raw)
     except MalformedPayload:
         return 0.0
-    stamp = payload.seconds(job.get("enqueued_at"))
-    return max(0.0, now - stamp) if stamp is not None else 0.0
+    return max(0.0, now - at) if (at := stamp(job.get("enqueued_at"))) else 0.0
+
+
+def stamp(value: Any) -> float | None:
+    """A time stamp from another writer (Sidekiq 6/7 float seconds, integer seconds, or Sidekiq 8
+    milliseconds) as epoch seconds; None for one before 1970 or not finite, which no clock
+    wrote (a -1e300 made a 300-digit latency)."""
+    seconds = payload.seconds(value)
+    return seconds if seconds is not None and 0 < seconds < math.inf else None
 
 
 def queues(conn: redis.Redis) -> list[QueueInfo]:
@@ -211,9 +219,8 @@ def _running_entry(identity: str, thread: bytes, raw: bytes) -> RunningJob:
             job = payload.parse(job)
         except MalformedPayload:
             job = None
-    run_at = entry.get("run_at")
-    return RunningJob(identity, _text(thread), entry.get("queue"),
-                      float(run_at) if isinstance(run_at, (int, float)) else None,
+    # Sidekiq 8 writes run_at in milliseconds, as its payload stamps
+    return RunningJob(identity, _text(thread), entry.get("queue"), stamp(entry.get("run_at")),
                       job if isinstance(job, dict) else None)
 
 

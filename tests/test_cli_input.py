@@ -240,3 +240,27 @@ def test_a_file_path_may_be_any_bytes(tmp_path):
     pidfile = os.fsdecode(bytes(tmp_path) + b"/forkq-\xff.pid")
     err = one_line(run("ctl", "status", "--pidfile", pidfile), 1, "no forkq master")
     assert "not valid UTF-8" not in err
+
+
+@pytest.mark.timeout(30)
+def test_stamps_no_clock_wrote_and_sidekiq_8_milliseconds_show_sane_ages(r, redis_url):
+    """An enqueued_at of -1e300 printed a 300-digit latency; Sidekiq 8's run_at in
+    milliseconds showed as a job running for a negative 56,000 years."""
+    r.sadd("queues", "odd")
+    r.lpush("queue:odd", json.dumps({"class": "A", "args": [], "jid": "odd", "enqueued_at": -1e300}))
+    (odd,) = [q for q in json.loads(run("queues", "--json").stdout) if q["name"] == "odd"]
+    assert odd["latency"] == 0
+    assert max(map(len, run("queues").stdout.splitlines())) < 80
+
+    identity = "rb:9:ms"
+    r.sadd("processes", identity)
+    r.hset(identity, mapping={"info": json.dumps({"hostname": "rb", "pid": 9}), "beat": time.time(),
+                              "busy": 1})
+    started_ms = int((time.time() - 90) * 1000)
+    work = {"queue": "default", "run_at": started_ms,
+            "payload": {"class": "A", "args": [], "jid": "ms", "enqueued_at": started_ms - 5000}}
+    r.hset(identity + ":work", "tid", json.dumps(work))
+    out = run("busy", "--json")
+    assert out.returncode == 0, out.stderr
+    (busy,) = json.loads(out.stdout)
+    assert busy["jid"] == "ms" and 85 < busy["running_for"] < 200, busy
