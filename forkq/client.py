@@ -383,7 +383,8 @@ class Client:
         """Push many jobs of one kind in one round trip (Sidekiq's push_bulk); return jids."""
         checked = [payload.check_args(payload.bulk_item(a)) for a in args_list]
         now = time.time()
-        jobs = [payload.build(name, a, queue, retry, now, **options) for a in checked]
+        jobs = [payload.build(name, a, queue, retry, now, **payload.check_options(options))
+                for a in checked]
         return self.push_jobs(jobs, at=at)
 
     def push_jobs(self, jobs: list[dict[str, Any]], at: float | datetime | None = None) -> list[str]:

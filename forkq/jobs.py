@@ -27,7 +27,7 @@ class Enqueuer:
     def __init__(self, job: "Job", client: Client | None = None, **options: Any) -> None:
         self.job = job
         self._client = client
-        self.options = options
+        self.options = payload.check_options(options)
 
     @property
     def client(self) -> Client:
@@ -171,7 +171,8 @@ def job(fn: Callable[..., Any] | None = None, *, queue: str = "default", retry: 
 
     def register(f: Callable[..., Any]) -> Job:
         jname = name or f"{f.__module__}.{f.__qualname__}"
-        j = Job(f, jname, queue, retry, backtrace, retry_in, retries_exhausted, client, options)
+        j = Job(f, jname, queue, retry, backtrace, retry_in, retries_exhausted, client,
+                payload.check_options(options))  # at import, not at the first enqueue
         REGISTRY[jname] = j
         return j
 

@@ -117,6 +117,18 @@ def check_args(args: Any) -> list:
     return args
 
 
+def check_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Return options if every value can go into a payload as it is, else raise TypeError
+    naming the first that cannot: orjson would quietly write a datetime or UUID as a string,
+    and the job would carry a value of another type than the one given."""
+    for name, value in options.items():
+        if not _native(value):
+            where, bad = _first_bad(value, f"option {name!r}")
+            raise TypeError(f"job {where} is {bad!r} ({type(bad).__name__}); a payload carries only "
+                            "JSON-native values: None, bool, int, float (finite), str, list, dict with str keys")
+    return options
+
+
 def check_queue(name: Any) -> str:
     """Return name if a job can be pushed to it, else raise as Sidekiq's client refuses an
     empty one: such a job would wait forever on a queue no worker can be told to serve

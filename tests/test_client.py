@@ -331,6 +331,23 @@ def test_non_json_args_raise_typeerror_and_push_nothing(forkq_client, r, bad, sh
     assert r.dbsize() == 0
 
 
+def test_options_json_cannot_carry_as_given_raise_typeerror_and_push_nothing(forkq_client, r):
+    """orjson wrote a datetime or UUID option as a string: the job carried another type."""
+    when = datetime.now(timezone.utc)
+    for push in (
+        lambda: core_jobs.record.options(expires=when).enqueue("fine"),
+        lambda: core_jobs.record.options(meta={"ids": {1, 2}}).enqueue_many([["fine"]]),
+        lambda: forkq.default_client().push("Anything", ["fine"], expires=when),
+        lambda: forkq.default_client().push_bulk("Anything", [["fine"]], tags=("a",)),
+    ):
+        with pytest.raises(TypeError, match=r"job option '(expires|meta|tags)'"):
+            push()
+    with pytest.raises(TypeError, match="job option 'expires' is datetime"):
+        forkq.job(expires=when)(lambda: None)  # at import, not at the first enqueue
+    assert r.dbsize() == 0
+    assert core_jobs.record.options(tags=["a"], meta={"n": 1.5}).enqueue("fine")
+
+
 # -- client middleware --------------------------------------------------------------------
 
 
