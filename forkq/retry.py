@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import time
 import traceback
@@ -111,14 +112,22 @@ def record_failure(job: dict[str, Any], exc: BaseException, now: float) -> None:
         job["error_backtrace"] = payload.encode_backtrace([_utf8(ln) for ln in lines])
 
 
-def _retry_for_over(job: dict[str, Any], now: float) -> bool:
-    """Sidekiq 7.1+'s `retry_for` (seconds since the first failure): past it, retries are
-    exhausted whatever the count."""
+def _retry_for_over(job: dict[str, Any], now: float) -> bool | None:
+    """Whether `retry_for`'s window (seconds since the first failure) has closed; None when
+    the job has no usable one. As in Sidekiq 8.1+, a job with a window is retried until it
+    closes whatever its count, so a Ruby 8.1 client's `retry_for` means the same here (7.x
+    stopped at either limit)."""
     limit = job.get("retry_for")
     first = payload.seconds(job.get("failed_at"))
     if type(limit) not in (int, float) or first is None:
-        return False
-    return first + limit < now
+        return None
+    try:
+        closes = first + limit
+    except OverflowError:  # an int past float's range
+        closes = math.inf
+    if not math.isfinite(closes):
+        return None  # a count must still end retries that no window can
+    return closes < now
 
 
 # The queue of a dead entry for something that had no usable queue of its own: one nobody
@@ -202,7 +211,8 @@ class Outcomes:
         if type(job.get("retry_queue")) is str:
             job["queue"] = job["retry_queue"]
         count = job["retry_count"]
-        if count < limit and not _retry_for_over(job, now):
+        over = _retry_for_over(job, now)
+        if not (count >= limit if over is None else over):
             decision = self._decide(jobdef, count, exc)
             if decision == "discard":
                 return "discarded", self.drop

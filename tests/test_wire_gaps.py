@@ -99,6 +99,25 @@ def test_retry_for_past_the_first_failure_exhausts_the_retries(r):
 
 
 @pytest.mark.timeout(10)
+@pytest.mark.parametrize("retry_for, failed_ago, fate", [
+    (3600, 60, "retry"),          # inside the window: the count (past retry: 2) is ignored
+    (3600, 7200, "dead"),         # the window closed
+    (None, 60, "dead"),           # no window: the count ends it
+    ("1h", 60, "dead"),           # no usable window: the count still ends it
+])
+def test_retry_for_replaces_the_retry_count_as_in_sidekiq_8_1(r, retry_for, failed_ago, fate):
+    """Sidekiq 8.1 made them exclusive: a Ruby client's `retry_for: 1.hour` retries for an
+    hour whatever `retry` says. forkq stopped at whichever came first (Sidekiq 7)."""
+    key = keys.inflight(IDENTITY)
+    job = {"class": "gone.X", "args": [], "jid": "c" * 24, "queue": "default", "retry": 2,
+           "retry_count": 4, "failed_at": time.time() - failed_ago}
+    if retry_for is not None:
+        job["retry_for"] = retry_for
+    r.hset(key, "1", "default\n" + json.dumps(job))
+    assert Outcomes(r, key).failed(job, RuntimeError("boom"), "1", None) == fate
+
+
+@pytest.mark.timeout(10)
 def test_retry_for_counts_from_a_failed_at_in_whole_integer_seconds(r):
     """A non-Ruby client may write failed_at as an integer of seconds (Go's encoding/json
     writes 1795347542.0 as 1795347542). Read as Sidekiq 8's milliseconds that is January
