@@ -47,6 +47,23 @@ def pid_namespace() -> str | None:
         return None
 
 
+# Error replies of a Redis that answers but takes no writes for now: maxmemory reached under
+# noeviction (OOM), an RDB save that failed (MISCONF), too few replicas for
+# min-replicas-to-write (NOREPLICAS), a replica (READONLY) or one cut off from its primary
+# (MASTERDOWN). Each passes once memory is freed, the disk or replica is back, or a failover
+# ends; a write that met one is worth trying again, as after an outage.
+_REFUSALS = ("MISCONF ", "NOREPLICAS ")
+
+
+def writes_refused(exc: BaseException) -> bool:
+    """Whether `exc` is Redis refusing writes for a state that passes (see _REFUSALS)."""
+    if isinstance(exc, (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
+                        redis.exceptions.MasterDownError)):
+        return True
+    # redis-py has no classes for these: their code stays at the head of the message
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith(_REFUSALS)
+
+
 class Unit(NamedTuple):
     token: str   # its field in the in-flight hash: "NUMBER\nQUEUE"
     queue: str

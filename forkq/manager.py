@@ -30,7 +30,7 @@ from typing import Any
 import redis
 
 from . import logs
-from .fetch import ReliableFetch, Unit, Waiters
+from .fetch import ReliableFetch, Unit, Waiters, writes_refused
 from .processor import Processor
 from .queues import QueueOrder
 from .retry import Outcomes
@@ -334,11 +334,27 @@ class Manager:
         each further one is tried once. Five stop-time writes against a Redis that is gone
         wait seconds, not five times as long, and a stopping child ends before its master
         kills it. The wait belongs to one outage: after Redis has answered anything, the
-        next outage gets a new one."""
+        next outage gets a new one.
+
+        A write Redis refuses for a state that passes (maxmemory reached, a failed save:
+        fetch.writes_refused) is ridden out the same way, but only by one that is not
+        patient: a job's outcome left unwritten would keep the job in flight, held by no
+        thread, until its process stops. A patient one has its later chance at once."""
         delay = 0.05
+        refused = False
         while True:
             try:
                 result = fn(*args)
+            except redis.ResponseError as exc:
+                if patient or self.hard_stopped or not writes_refused(exc):
+                    raise
+                if not refused:
+                    refused = True  # one line per write, not one per try
+                    log.error("Redis refuses writes; trying again until it takes this one",
+                              error=str(exc))
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
             except REDIS_ERRORS as exc:
                 if self.hard_stopped and not patient:
                     raise  # a job's outcome, with its process past the timeout

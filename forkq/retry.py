@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from . import keys, payload, scripts
+from .fetch import writes_refused
 
 if TYPE_CHECKING:
     from .jobs import Job
@@ -192,8 +193,9 @@ class Outcomes:
             write(token)
         except (redis.ConnectionError, redis.TimeoutError):
             raise  # the same plan is written when the caller tries again
-        except BaseException:
-            self._plans.pop(token, None)
+        except BaseException as exc:
+            if not writes_refused(exc):  # refused for now: tried again as after an outage
+                self._plans.pop(token, None)
             raise
         self._plans.pop(token, None)
         return fate
