@@ -412,11 +412,21 @@ class Manager:
     def _register(self) -> bool:
         """Enter the owners registry before the first claim; False if stopped first."""
         delay = 0.05
+        refused = False
         while not self.quiet_flag:
             try:
                 self.fetch.register()
-            except REDIS_ERRORS as exc:
-                self.health.failed(exc)
+            except (*REDIS_ERRORS, redis.ResponseError) as exc:
+                # A full Redis refuses the registry's HSET; raised, it ended this thread,
+                # and the process lived on heartbeating with nothing fetching its jobs
+                if isinstance(exc, REDIS_ERRORS):
+                    self.health.failed(exc)
+                elif not writes_refused(exc):
+                    raise
+                elif not refused:
+                    refused = True
+                    log.error("Redis refuses writes; no job is claimed until it takes this "
+                              "process's registration", error=str(exc))
                 self._wake.wait(delay)
                 self._wake.clear()
                 delay = min(delay * 2, 2.0)

@@ -57,3 +57,25 @@ def test_outcomes_refused_by_a_full_redis_are_written_once_it_has_room(own_redis
         conn.config_set("maxmemory", "0")
         conn.close()
     assert worker.stop(timeout=15) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_started_while_redis_refuses_writes_fetches_once_it_takes_them(
+        own_redis, workers, redis_url, r, monkeypatch):
+    """Its first write, the owners-registry entry, was refused with OOM, and the error ended
+    the fetcher thread: the process heartbeat on, claiming nothing, for good."""
+    monkeypatch.setenv("CORE_RECORD_URL", redis_url)
+    conn = own_redis.client()
+    try:
+        conn.config_set("maxmemory", "1")
+        worker = workers(url=own_redis.url, ready=False)
+        # its registration and its first heartbeat, in either order
+        wait_until(lambda: worker.assert_alive() or _rejected(conn, "hset") >= 2, timeout=15,
+                   message="the worker's registration refused with OOM")
+        conn.config_set("maxmemory", "0")
+        core_jobs.record.options(client=forkq.Client(own_redis.url)).enqueue("after OOM")
+        wait_records(r, 1, worker, kind="record", timeout=15)
+    finally:
+        conn.config_set("maxmemory", "0")
+        conn.close()
+    assert worker.stop(timeout=15) == 0
