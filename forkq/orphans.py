@@ -32,7 +32,7 @@ import psutil
 import redis
 
 from . import keys, logs
-from .fetch import Requeued, pid_namespace, requeue_owner_counts
+from .fetch import Requeued, pid_namespace, requeue_owner_counts, writes_refused
 
 log = logs.get("forkq.orphans")
 LOCK = "forkq:orphan-lock"
@@ -149,10 +149,22 @@ def sweep(client: redis.Redis, recovery_delay: float, holder: str, *, this_host_
     than `stall_limit` seconds: Redis stalled (paused, swapping, a slow command) with our
     call waiting, so it could not record anyone's heartbeat either, and every one looks
     stale. The caller treats that like an outage: live processes need time to beat again.
-    A stall shorter than the socket timeout raises nothing, so timing is the only sign."""
+    A stall shorter than the socket timeout raises nothing, so timing is the only sign.
+
+    None too while Redis refuses writes (maxmemory reached, a failed save: the lock's SET
+    is refused): no process can write its heartbeat then either. Judged by heartbeats the
+    moment the refusal ends, live processes elsewhere would look dead, and the jobs they are
+    running would run a second time beside them."""
     started = time.monotonic()
-    if not client.set(LOCK, holder, nx=True, px=30_000):
-        return []
+    try:
+        if not client.set(LOCK, holder, nx=True, px=30_000):
+            return []
+    except redis.ResponseError as exc:
+        if not writes_refused(exc):
+            raise
+        log.warning("Redis refuses writes, heartbeats included: no process is judged dead "
+                    "until they have had time to resume", error=str(exc))
+        return None
     recovered = []
     try:
         dead = dead_owners(client, recovery_delay, this_host_now=this_host_now, skip=skip)

@@ -8,12 +8,20 @@ way a full Redis does, and frees it again with `maxmemory 0`.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 import forkq
 from corekit import core_jobs, records, wait_records, workers  # noqa: F401
-from helpers import wait_until
+from forkq import keys
+from helpers import REPO_ROOT, wait_until
+
+ORPHAN_APP = REPO_ROOT / "tests" / "apps" / "orphan_jobs.py"
 
 
 def _rejected(conn, command: str) -> int:
@@ -79,3 +87,67 @@ def test_a_worker_started_while_redis_refuses_writes_fetches_once_it_takes_them(
         conn.config_set("maxmemory", "0")
         conn.close()
     assert worker.stop(timeout=15) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_forkq_elsewhere_is_not_taken_for_dead_when_a_full_redis_takes_writes_again(
+        own_redis, tmp_path):
+    """While Redis refuses writes no heartbeat is written; the sweep that first ran after
+    the refusal took every other live forkq for dead, and the jobs they were running ran
+    a second time beside them."""
+    r = own_redis.client()
+    here = tmp_path / "master.log"
+    # sweeps every second; recovery delay 2 s, and 3 s of a one-second beat for the owner
+    master = subprocess.Popen(
+        [sys.executable, "-m", "forkq", "start", "--require", str(ORPHAN_APP), "--processes", "1",
+         "--concurrency", "1", "--recovery-delay", "2", "--heartbeat-interval", "1",
+         "--log-format", "json", "--pidfile", str(tmp_path / "forkq.pid"), "--timeout", "1"],
+        env=dict(os.environ, FORKQ_REDIS_URL=own_redis.url, PYTHONPATH=str(REPO_ROOT)),
+        cwd=REPO_ROOT, stdout=open(here, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    # a live forkq on another host, running one job: the test writes its heartbeat
+    other = "elsewhere:4242:0123456789ab"
+    running = json.dumps({"class": "orphan.work", "args": ["once", 30], "jid": "j-running"})
+    r.hset(keys.OWNERS, other, json.dumps({
+        "queues": ["default"], "host": "elsewhere", "pid": 4242, "master": "elsewhere:4241:x",
+        "started_at": time.time(), "heartbeat_interval": 1}))
+    r.hset(keys.inflight(other), "1\ndefault", running)
+
+    def beat():
+        r.hset(other, "beat", time.time())
+
+    def sweeps():
+        # only the master's sweep uses EVAL (releasing the lock it took); workers use EVALSHA
+        return r.info("commandstats").get("cmdstat_eval", {}).get("calls", 0)
+
+    try:
+        beat()
+        wait_until(lambda: master.poll() is None and sweeps() >= 2, timeout=20,
+                   message="the master sweeping")
+        r.config_set("maxmemory", "1")
+        # longer than the owner's 3 s lease: its beats are refused meanwhile
+        refused_from = time.monotonic()
+        wait_until(lambda: time.monotonic() - refused_from > 4 and _rejected(r, "set") >= 3,
+                   timeout=20, message="sweeps refused through more than the owner's lease")
+        done = sweeps()
+        r.config_set("maxmemory", "0")
+        # the first sweep after the refusal, then the owner's first beat since
+        wait_until(lambda: sweeps() > done, timeout=10, message="a sweep after the refusal")
+        beat()
+        until = time.monotonic() + 4  # past the master's settling time (delay + its beat)
+        while time.monotonic() < until:
+            assert r.hget(keys.inflight(other), "1\ndefault") == running.encode(), \
+                "the live owner's running job was taken from it"
+            assert master.poll() is None
+            beat()
+            time.sleep(0.25)  # the pace of the live owner's heartbeat, not a synchronisation
+        assert r.llen("queue:default") == 0 and r.llen(keys.suspects("default")) == 0
+        assert "recovered a dead process's jobs" not in here.read_text()
+    finally:
+        r.config_set("maxmemory", "0")
+        master.send_signal(signal.SIGTERM)
+        try:
+            master.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(master.pid, signal.SIGKILL)
+            master.wait()
+        r.close()
