@@ -15,6 +15,7 @@ suspects that ran to their end.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -189,7 +190,7 @@ class ReliableFetch:
 
     def suspect_done(self, jid: str | None) -> None:
         """A suspect ran to its end (success or failure) without killing its process: it is
-        not poison, and its crash count goes with the next acks."""
+        not poison, and its crash count (named by crash_id) goes with the next acks."""
         if jid:
             self._cleared.append(jid)
 
@@ -307,6 +308,21 @@ def _units(flat: list[Any], first: int, names: list[str]) -> list[Unit]:
                 units.append(Unit(f"{token}\n{name}", name, raw))  # the in-flight field
                 token += 1
     return units
+
+
+def crash_id(raw: bytes) -> str | None:
+    """What the crash count of the job `raw` is kept under, named as the Lua scripts name it
+    (crash_id in scripts/_entry.lua): its jid, or "sha1:" and the SHA1 of the payload for a
+    job without a string jid; None for a payload that is no JSON."""
+    try:
+        job = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(job, dict) and isinstance(job.get("jid"), str):
+        return job["jid"]
+    if isinstance(job, (dict, list)):
+        return "sha1:" + hashlib.sha1(raw).hexdigest()
+    return None
 
 
 def _claim_number(field: bytes) -> int:

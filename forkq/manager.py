@@ -30,7 +30,7 @@ from typing import Any
 import redis
 
 from . import logs
-from .fetch import ReliableFetch, Unit, Waiters, writes_refused
+from .fetch import ReliableFetch, Unit, Waiters, crash_id, writes_refused
 from .processor import Processor
 from .queues import QueueOrder
 from .retry import Outcomes
@@ -546,7 +546,7 @@ class Manager:
                 break
             ran += 1
             jid = _jid(unit.raw)
-            self._suspect_jid = jid
+            self._suspect_jid = crash_id(unit.raw)  # its crash count's name: a jid-less job has one too
             self._suspect = unit
             log.warning("running a suspect alone", jid=jid, queue=unit.queue)
             with self._lock:

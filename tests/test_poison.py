@@ -134,6 +134,44 @@ def test_an_innocent_job_beside_a_poison_job_runs_alone_and_only_the_poison_goes
     assert_clean(r, m, set())
 
 
+def push_without_jid(r, name: str, *args) -> bytes:
+    """A job as a client that leaves out the jid writes it (forkq runs it all the same)."""
+    raw = json.dumps({"class": name, "args": list(args), "queue": "default"}).encode()
+    r.sadd("queues", "default")
+    r.lpush("queue:default", raw)
+    return raw
+
+
+@pytest.mark.timeout(45)
+def test_a_poison_job_without_a_jid_goes_dead_and_its_innocent_neighbour_is_cleared(
+        start_master, redis_url, r):
+    """Crash counts were kept by jid only: a job without one went back onto its queue
+    uncounted after each death it caused, and crashed the fleet forever."""
+    m = start_master(processes=1, concurrency=3, args=["--poison-after", "3"])
+    m.wait_slots()
+    push_without_jid(r, "sup.sleep", "innocent", 2)
+    wait_event(r, m, "start", "innocent")
+    poison = push_without_jid(r, "sup.suicide", "poison")
+
+    def dead_poison():
+        m.check()
+        return dead_jobs(r)
+    (entry,) = wait_until(dead_poison, timeout=20, interval=0.05, message=f"poison in dead\n{m.tail()}")
+    assert entry["class"] == "sup.suicide" and entry["error_class"] == "forkq.PoisonJob"
+    assert entry["error_message"] == "killed its worker process 3 times"
+    assert len(sup_events(r, "start", "poison")) == 3
+    # the innocent ran alone after the first death, and its count went when it ended
+    runs = wait_event(r, m, "start", "innocent", count=2)
+    (done,) = wait_event(r, m, "done", "innocent")
+    assert_ran_alone(r, runs[1], done)
+    all_clear(r)
+    assert r.llen("queue:default") == 0
+    assert poison.rstrip(b"}") in r.zrange("dead", 0, -1)[0]  # its own bytes, the reason appended
+
+    m.signal(signal.SIGTERM)
+    assert m.wait(15) == 0
+
+
 # -- a crash while a suspect runs alone; other children keep working ----------------------------
 
 

@@ -13,6 +13,23 @@ local function entry(field, v)
   return nil, nil
 end
 
+-- What a job's crash count (forkq:crashes:ID) is kept under, and the decoded job: its jid,
+-- or, for a job pushed without a string jid (forkq runs it all the same), "sha1:" and the
+-- SHA1 of its payload, which is the same bytes each time it is put back (fetch.crash_id
+-- names it the same way). Without one, such a job that killed its process went back onto
+-- its queue uncounted, every time, and crashed the fleet forever. nil for a payload that
+-- is no JSON: it is never run, so it cannot have crashed anything.
+local function crash_id(job)
+  local ok, decoded = pcall(cjson.decode, job)
+  if not ok or type(decoded) ~= 'table' then
+    return nil, nil
+  end
+  if type(decoded['jid']) == 'string' then
+    return decoded['jid'], decoded
+  end
+  return 'sha1:' .. redis.sha1hex(job), decoded
+end
+
 -- the claim order of an entry: its token number
 local function claimed(field)
   return tonumber(string.match(field, "^%d+")) or 0

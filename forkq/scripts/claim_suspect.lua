@@ -10,8 +10,9 @@
 -- ARGV[1]   the token number for the claim
 -- ARGV[2]   nacks, ARGV[3] ncleared, ARGV[4] crash-count key prefix, ARGV[5] suspects-list
 --           key prefix
--- ARGV[6..] nacks fields to delete, then ncleared jids of suspects that ran to their end
---           (their crash counts are deleted), then the queue name of each of KEYS[2..]
+-- ARGV[6..] nacks fields to delete, then ncleared crash ids (crash_id) of suspects that
+--           ran to their end (their crash counts are deleted), then the queue name of each
+--           of KEYS[2..]
 -- Returns {returned} when there is no suspect, else {returned, field, queue, payload};
 -- returned counts the leftovers put back.
 --#include entry
@@ -53,9 +54,8 @@ if #flat > 0 then
       malformed = malformed + 1
       malformed_to_dead(item[3], 'in-flight entry of unknown form (field ' .. item[2] .. ')', malformed)
     else
-      local ok, decoded = pcall(cjson.decode, job)
-      if ok and type(decoded) == 'table' and type(decoded['jid']) == 'string'
-          and redis.call('EXISTS', prefix .. decoded['jid']) == 1 then
+      local id = crash_id(job)
+      if id and redis.call('EXISTS', prefix .. id) == 1 then
         redis.call('RPUSH', suspects .. name, job)
       else
         redis.call('RPUSH', 'queue:' .. name, job)

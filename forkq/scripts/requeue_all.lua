@@ -4,7 +4,7 @@
 -- recovery.
 --
 -- A job that was in flight in a process that crashed is a suspect: its crash count
--- (ARGV[5] .. jid) goes up; at ARGV[3] it goes to dead as forkq.PoisonJob, otherwise it
+-- (ARGV[5] .. its crash_id) goes up; at ARGV[3] it goes to dead as forkq.PoisonJob, otherwise it
 -- goes onto its queue's suspects list (ARGV[6] .. queue), where workers of that queue take
 -- suspects one at a time and run each alone, so that a later crash counts against that one
 -- job only. A job put back without a crash that still has a crash count (a suspect cut off
@@ -52,11 +52,8 @@ for _, item in ipairs(items) do
     malformed = malformed + 1
     malformed_to_dead(item[3], 'in-flight entry of unknown form (field ' .. item[2] .. ')', malformed)
   else
-    local ok, decoded = pcall(cjson.decode, job)
-    local key = nil
-    if ok and type(decoded) == 'table' and type(decoded['jid']) == 'string' then
-      key = ARGV[5] .. decoded['jid']
-    end
+    local id, decoded = crash_id(job)
+    local key = id and ARGV[5] .. id
     if crashed and key then
       local count = redis.call('INCR', key)
       -- Sidekiq Pro's window: a job recovered --poison-after times in 72 hours is poison
