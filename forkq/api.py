@@ -25,6 +25,7 @@ import redis
 
 from . import client, control, keys, payload, scripts
 from .errors import MalformedPayload
+from .fetch import crash_id
 from .retry import MALFORMED_CLASS
 
 DEFAULT_PAGE = 500
@@ -439,7 +440,7 @@ def dead(conn: redis.Redis, page_size: int = DEFAULT_PAGE) -> SortedSet:
 @dataclass
 class Suspect(Entry):
     """A crash suspect: `score` is its index on the suspects list, `crashes` the deaths it
-    was in flight for (forkq:crashes:JID; 0 once that count expired, or with no jid)."""
+    was in flight for (forkq:crashes:ID, see fetch.crash_id; 0 once that count expired)."""
     crashes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -460,11 +461,12 @@ class Suspects(_List):
         """`count` suspects from `offset`, counted from the next to run (or with next_first
         False from the newest), with their crash counts: one MGET after the page."""
         out: list[Suspect] = super().page(offset, count, next_first)  # type: ignore[assignment]
-        jids = [s.jid for s in out if isinstance(s.jid, str)]
-        if jids:
-            counts = dict(zip(jids, self.redis.mget([keys.CRASH_PREFIX + j for j in jids])))
-            for s in out:
-                value = counts.get(s.jid) if isinstance(s.jid, str) else None
+        ids = [crash_id(s.raw) for s in out]  # a jid-less job's count is under its payload's SHA1
+        named = [i for i in ids if i is not None]
+        if named:
+            counts = dict(zip(named, self.redis.mget([keys.CRASH_PREFIX + i for i in named])))
+            for s, i in zip(out, ids):
+                value = counts.get(i) if i is not None else None
                 s.crashes = int(value) if value and value.isdigit() else 0
         return out
 

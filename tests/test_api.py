@@ -217,3 +217,17 @@ def test_a_sidekiq_8_heartbeat_gives_its_thread_count_from_its_own_field(r, redi
                                 "beat": time.time(), "quiet": "false", "rss": 100})
     found = {p.identity: p.concurrency for g in api.processes(r) for p in g.processes}
     assert found == {"rb:7:new": 5, "rb:8:old": 3}
+
+
+@pytest.mark.timeout(20)
+def test_a_suspect_without_a_jid_shows_its_crash_count(r, redis_url):
+    """Its count is kept under its payload's SHA1 (fetch.crash_id): read by jid, it was 0."""
+    from forkq import fetch
+    from forkq.queues import QueueOrder
+    r.lpush("queue:mail", json.dumps({"class": "Crashy", "args": [1], "queue": "mail"}))
+    held = fetch.ReliableFetch(r, "dead-child", QueueOrder([("mail", 0)]), direct=False)
+    held.register()
+    assert len(held.fetch(1)) == 1
+    assert fetch.requeue_owner_counts(r, "dead-child", ["mail"], crashed=True).suspects == 1
+    (listed,) = api.Suspects(api.connect(), "mail").page(0, 10)
+    assert listed.jid is None and listed.crashes == 1
