@@ -61,8 +61,11 @@ def writes_refused(exc: BaseException) -> bool:
     if isinstance(exc, (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
                         redis.exceptions.MasterDownError)):
         return True
-    # redis-py has no classes for these: their code stays at the head of the message
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith(_REFUSALS)
+    # redis-py has no classes for these: their code heads the message, after what a
+    # pipeline puts in front ("Command # 1 (HSET ...) of pipeline caused error: ")
+    if not isinstance(exc, redis.ResponseError):
+        return False
+    return str(exc).rpartition(" of pipeline caused error: ")[2].startswith(_REFUSALS)
 
 
 class Unit(NamedTuple):

@@ -20,6 +20,7 @@ import psutil
 import redis
 
 from . import keys, logs
+from .fetch import writes_refused
 from .manager import REDIS_ERRORS, Manager
 
 log = logs.get("forkq.launcher")
@@ -73,6 +74,7 @@ class Launcher:
 
     _stopping = False
     _pending = (0, 0)
+    _refused = False  # the last beat met fetch.writes_refused
 
     def _run(self) -> None:
         while True:
@@ -83,8 +85,15 @@ class Launcher:
                 self.manager.health.ok()
             except REDIS_ERRORS:
                 pass  # the fetcher logs the outage; the heartbeat comes back by itself
-            except Exception:
-                log.exception("heartbeat failed")
+            except Exception as exc:
+                if not writes_refused(exc):
+                    log.exception("heartbeat failed")
+                elif not self._refused:  # one line as the refusal starts, not a traceback a beat
+                    log.error("Redis refuses writes: no heartbeat until it takes them again",
+                              error=str(exc))
+                self._refused = writes_refused(exc)
+            else:
+                self._refused = False
             self._stop.wait(self.interval)
             if self._stopping:
                 return

@@ -76,11 +76,15 @@ def test_a_worker_started_while_redis_refuses_writes_fetches_once_it_takes_them(
     conn = own_redis.client()
     try:
         conn.config_set("maxmemory", "1")
-        worker = workers(url=own_redis.url, ready=False)
-        # its registration and its first heartbeat, in either order
-        wait_until(lambda: worker.assert_alive() or _rejected(conn, "hset") >= 2, timeout=15,
-                   message="the worker's registration refused with OOM")
+        worker = workers(url=own_redis.url, ready=False, extra_args=["--heartbeat-interval", "0.2"])
+        # its registration and several heartbeats
+        wait_until(lambda: worker.assert_alive() or _rejected(conn, "hset") >= 6, timeout=15,
+                   message="the worker's registration and heartbeats refused with OOM")
         conn.config_set("maxmemory", "0")
+        # one line as the refusal starts; each beat logged a traceback
+        log = worker.log_path.read_text()
+        assert log.count("no heartbeat until it takes them again") == 1, log
+        assert "heartbeat failed" not in log and "Traceback" not in log, log
         core_jobs.record.options(client=forkq.Client(own_redis.url)).enqueue("after OOM")
         wait_records(r, 1, worker, kind="record", timeout=15)
     finally:
@@ -151,3 +155,16 @@ def test_a_forkq_elsewhere_is_not_taken_for_dead_when_a_full_redis_takes_writes_
             os.killpg(master.pid, signal.SIGKILL)
             master.wait()
         r.close()
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("message, refused", [
+    ("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist", True),
+    ("Command # 2 (HSET h f v) of pipeline caused error: NOREPLICAS Not enough good replicas", True),
+    ("Command # 1 (SET a b) of pipeline caused error: WRONGTYPE Operation against a key", False),
+    ("ERR unknown command 'MISCONF'", False),
+])
+def test_refusals_without_a_redis_py_class_are_told_by_their_code_in_pipelines_too(message, refused):
+    import redis
+    from forkq.fetch import writes_refused
+    assert writes_refused(redis.ResponseError(message)) is refused
