@@ -31,8 +31,14 @@ from .settings import STOP_GRACE_S, STOP_PATIENCE_S, Settings
 
 log = logs.get("forkq.supervisor")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGHUP)
-CHILD_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGHUP,
-                 signal.SIGQUIT)
+# A child must outlive the signals a terminal or `systemctl kill` sends to the whole group,
+# but the programs its jobs start must not inherit that: an ignored signal stays ignored
+# across exec, so `Popen.terminate()` from a job did nothing. A caught one is reset to the
+# default by exec, so the child catches these and does nothing with them.
+CHILD_SHRUGS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# Job control only: ignored by the job's programs too, so Ctrl-Z (forkq's quiet) freezes
+# none of them.
+CHILD_IGNORES = (signal.SIGTSTP, signal.SIGTTIN)
 CRASH_LOOP_LIMIT = 3
 
 
@@ -441,6 +447,9 @@ class Supervisor:
         signal.set_wakeup_fd(-1)
         for sig in FORWARDED + (signal.SIGCHLD,):
             signal.signal(sig, signal.SIG_DFL)
+        for sig in CHILD_SHRUGS:
+            signal.signal(sig, _noop)
+            signal.siginterrupt(sig, False)  # a syscall in a job's thread resumes, not EINTR
         for sig in CHILD_IGNORES:
             signal.signal(sig, signal.SIG_IGN)
         for fd in inherited:
@@ -600,7 +609,8 @@ def _kill(pid: int) -> None:
 
 
 def _noop(signum: int, frame: object) -> None:
-    """The wakeup fd carries the signal to the loop; handlers do nothing themselves."""
+    """Handlers do nothing themselves: in the master the wakeup fd carries the signal to the
+    loop, and a child catches only so that the programs its jobs exec get the default."""
 
 
 def _flush_output() -> None:

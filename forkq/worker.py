@@ -69,6 +69,7 @@ class Worker:
     def run(self) -> int:
         s = self.settings
         guard_forks()
+        default_signals_in_copies()
         conn = self.connect()
         # metrics are counted only in a child: its master sums and serves them
         metered = s.metrics_port is not None and self.report_fd is not None
@@ -204,6 +205,32 @@ class Worker:
         self.manager.fetch.flush_acks()
         requeued, _ = requeue_owner(self.manager.redis, self.identity, self.manager.fetch.order.names)
         return requeued
+
+
+_copies_reset = False
+
+
+def default_signals_in_copies() -> None:
+    """Give any copy of this worker forked by job code (a multiprocessing Process, say) the
+    signal handling of a plain Python process, as exec gives the programs a job starts.
+
+    Otherwise the copy keeps the worker's: a signal a job sends its own copy (`terminate()`)
+    does nothing, and under --no-fork the copy shares this worker's wakeup pipe, so that
+    SIGTERM stops the worker instead. Registered once per process: a hook stays for good.
+    """
+    global _copies_reset
+    if not _copies_reset:
+        os.register_at_fork(after_in_child=_default_signals)
+        _copies_reset = True
+
+
+def _default_signals() -> None:
+    signal.set_wakeup_fd(-1)
+    for sig in TRAPPED + (signal.SIGHUP, signal.SIGQUIT):
+        handler = signal.getsignal(sig)
+        if callable(handler) and handler is not signal.default_int_handler:
+            # an ignored one stays ignored, as exec would leave it
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
 
 
 def dump_threads() -> None:

@@ -771,3 +771,38 @@ def test_a_job_that_ran_beside_a_poison_job_is_not_poisoned(start_master, redis_
     wait_event(r, m, "done", "innocent", timeout=15)
     # it was in flight when the poison first killed their child: it ran again, as a suspect
     assert len(sup_events(r, "start", "innocent")) == 2
+
+
+# -- a job's own processes: the signals it sends them work ---------------------------------------
+
+
+SHRUGGED = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+def assert_obeyed(ended: dict) -> None:
+    # a program killed by a signal: -signum; a Python copy: -signum, or 1 from KeyboardInterrupt
+    assert ended["program"] == {n: -signal.Signals[n] for n in SHRUGGED}, ended
+    assert all(ended["copy"][n] is not None for n in SHRUGGED), ended
+
+
+@pytest.mark.timeout(60)
+def test_programs_and_copies_a_job_starts_obey_the_signals_it_sends_them(start_master, redis_url, r):
+    m = start_master(processes=1, concurrency=1)
+    slots = m.wait_slots()
+    push(redis_url, "sup.signal_own", "own")
+    (event,) = wait_event(r, m, "done", "own", timeout=40)
+    assert_obeyed(event["ended"])
+    assert m.slots() == slots and not m.log_events("child died")
+
+
+@pytest.mark.timeout(60)
+def test_a_no_fork_worker_is_not_stopped_by_a_signal_its_job_sends_a_forked_copy(start_master, redis_url, r):
+    m = start_master(processes=1, concurrency=1, args=["--no-fork"])
+    wait_until(lambda: m.check() and m.log_events("worker started"), timeout=15, message=m.tail())
+    push(redis_url, "sup.signal_own", "own")
+    (event,) = wait_event(r, m, "done", "own", timeout=40)
+    assert_obeyed(event["ended"])
+    # the copy shared the worker's wakeup pipe: its SIGTERM used to stop the worker itself
+    push(redis_url, "sup.quick", "after")
+    wait_event(r, m, "done", "after")
+    assert not m.log_events("stopping")

@@ -95,3 +95,40 @@ def hog_once_job(tag, mb, hold):
         time.sleep(hold)
         del data
     record("done", tag, attempt=attempt)
+
+
+def _sleep_when_told(started):
+    started.set()
+    time.sleep(60)
+
+
+@forkq.job(name="sup.signal_own", retry=0)
+def signal_own_job(tag):
+    """Send each signal a worker shrugs off to a program this job started and to a forked
+    copy of this process (a multiprocessing Process), and record how each ended: a job's
+    own processes must obey the signals it sends them, as they would outside forkq."""
+    import multiprocessing
+    import subprocess
+    fork = multiprocessing.get_context("fork")
+    ended = {"program": {}, "copy": {}}
+    # (SIGQUIT is treated as SIGTERM, but would leave a core dump here)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        program = subprocess.Popen(["sleep", "60"])  # returns once exec has happened
+        program.send_signal(sig)
+        try:
+            ended["program"][sig.name] = program.wait(2)
+        except subprocess.TimeoutExpired:
+            program.kill()
+            program.wait()
+            ended["program"][sig.name] = None
+        started = fork.Event()
+        copy = fork.Process(target=_sleep_when_told, args=(started,))
+        copy.start()
+        started.wait(10)
+        os.kill(copy.pid, sig)
+        copy.join(2)
+        ended["copy"][sig.name] = copy.exitcode
+        if copy.exitcode is None:
+            copy.kill()
+            copy.join()
+    record("done", tag, ended=ended)
