@@ -307,11 +307,14 @@ class Supervisor:
         else:
             slot.failures = 0
             slot.next_spawn = 0.0
+        self.give_up_if_no_slot_starts(slot)
+
+    def give_up_if_no_slot_starts(self, slot: Slot) -> None:
         if self.state == "running" and all(s.failures >= CRASH_LOOP_LIMIT for s in self.slots):
             sys.stderr.write(
                 f"forkq: every child died within {self.settings.boot_window:g}s of starting, "
-                f"{CRASH_LOOP_LIMIT} times in a row (last: {slot.last_exit}); giving up. "
-                "See the log above.\n")
+                f"or could not be forked, {CRASH_LOOP_LIMIT} times in a row "
+                f"(last: {slot.last_exit}); giving up. See the log above.\n")
             self.exit_code = 1
             self.state = "failed"
             self.kill_all()
@@ -405,19 +408,29 @@ class Supervisor:
         taken = {c.slot for c in self.children.values()}
         now = time.monotonic()
         for index, slot in enumerate(self.slots):
-            if index not in taken and now >= slot.next_spawn:
+            if index not in taken and now >= slot.next_spawn and self.state == "running":
                 self.spawn(index)
 
     def spawn(self, index: int) -> None:
-        control_r, control_w = os.pipe()
-        report_r, report_w = os.pipe()
+        opened: list[int] = []
+        try:
+            opened += os.pipe()
+            opened += os.pipe()
+        except OSError as exc:
+            self.spawn_failed(index, opened, exc)
+            return
+        control_r, control_w, report_r, report_w = opened
         nonce = os.urandom(6).hex()
         if self._redis is not None:
             self._redis.connection_pool.disconnect()  # no socket crosses the fork
         inherited = [fd for c in self.children.values() for fd in (c.control_w, c.report_r)]
         inherited += [self._sig_r, self._sig_w, control_w, report_r]
         _flush_output()  # a line still in a buffer would be written by both processes
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            self.spawn_failed(index, opened, exc)
+            return
         if pid == 0:
             code = 1
             try:
@@ -437,6 +450,20 @@ class Supervisor:
         identity = f"{socket.gethostname()}:{pid}:{nonce}"
         self.children[pid] = Child(index, pid, identity, control_w, report_r, now, now)
         log.info("child started", slot=index, child_pid=pid)
+
+    def spawn_failed(self, index: int, opened: list[int], exc: OSError) -> None:
+        """No pipe or no fork (a pids limit such as a pod's or TasksMax, too many open
+        files) is often passing: the slot backs off and tries again, as after a failed
+        start, while the children that run go on working."""
+        for fd in opened:
+            os.close(fd)
+        slot = self.slots[index]
+        slot.last_exit = f"cannot fork: {exc.strerror or exc}"
+        slot.failures += 1
+        slot.next_spawn = time.monotonic() + min(0.1 * 2 ** (slot.failures - 1), 10.0)
+        log.error("cannot start a child; trying again", slot=index, error=exc.strerror or str(exc),
+                  retry_in_s=round(slot.next_spawn - time.monotonic(), 1))
+        self.give_up_if_no_slot_starts(slot)
 
     def child_main(self, index: int, nonce: str, control_r: int, report_w: int,
                    inherited: list[int]) -> int:

@@ -773,6 +773,35 @@ def test_a_job_that_ran_beside_a_poison_job_is_not_poisoned(start_master, redis_
     assert len(sup_events(r, "start", "innocent")) == 2
 
 
+# -- a child that cannot be forked --------------------------------------------------------------
+
+
+@pytest.mark.timeout(45)
+def test_a_slot_that_cannot_be_forked_backs_off_while_the_master_and_other_children_go_on(
+        start_master, redis_url, r):
+    m = start_master(processes=2, concurrency=1)
+    slots = m.wait_slots()
+    # out of file descriptors (as a pids limit would leave it out of processes): the master
+    # cannot make the pipes for a replacement
+    soft, hard = m.ps.rlimit(psutil.RLIMIT_NOFILE)
+    m.ps.rlimit(psutil.RLIMIT_NOFILE, (m.ps.num_fds() - 2, hard))
+    os.kill(slots[0], signal.SIGKILL)
+
+    def refused():
+        m.check()
+        return len(m.log_events("cannot start a child; trying again", slot=0)) >= 2
+    wait_until(refused, timeout=15, interval=0.05, message=f"two refused forks\n{m.tail()}")
+    assert m.slots() == {1: slots[1]}
+
+    m.ps.rlimit(psutil.RLIMIT_NOFILE, (soft, hard))
+    assert m.wait_slots(timeout=20)[1] == slots[1]
+    push(redis_url, "sup.quick", "after")
+    wait_event(r, m, "done", "after")
+    m.signal(signal.SIGTERM)
+    assert m.wait(15) == 0
+    assert "Traceback" not in m.stderr()
+
+
 # -- a job's own processes: the signals it sends them work ---------------------------------------
 
 
