@@ -152,9 +152,11 @@ def _line(parts: list[bytes]) -> bytes:
 
 
 def _writable(fd: int) -> bool:
+    poller = select.poll()  # select refuses a descriptor numbered 1024 or more
+    poller.register(fd, select.POLLOUT)
     try:
-        return bool(select.select([], [fd], [], 0)[1])
-    except (OSError, ValueError):
+        return any(events & select.POLLOUT for _, events in poller.poll(0))
+    except OSError:
         return False
 
 

@@ -154,10 +154,19 @@ class Supervisor:
         if self.metrics is not None:
             fds += self.metrics.read_fds()
             wfds = self.metrics.write_fds()
-        try:
-            ready, writable, _ = select.select(fds, wfds, [], timeout)
-        except InterruptedError:
-            ready, writable = [], []
+        # poll, not select: select cannot watch a descriptor numbered 1024 or more, which
+        # the children's pipes reach with some 500 children (the limit is 1024)
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        for fd in wfds:
+            poller.register(fd, select.POLLOUT)
+        ready, writable = [], []
+        for fd, events in poller.poll(timeout * 1000):
+            if events & select.POLLOUT:
+                writable.append(fd)
+            elif events & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                ready.append(fd)  # a hang-up or error is read as EOF, as select reported it
         by_fd = {c.report_r: c for c in self.children.values()}
         for fd in ready:
             if fd == self._sig_r:

@@ -102,8 +102,11 @@ class Worker:
             if self.report_fd is not None and now - last_report >= 1.0:
                 last_report = now
                 self._report()
-            ready, _, _ = select.select(fds, [], [], 1.0)
-            for fd in ready:
+            # poll, not select: a child's pipe from its master can be numbered 1024 or more
+            poller = select.poll()
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+            for fd, _events in poller.poll(1000):
                 data = os.read(fd, 64)
                 if not data and fd == self.control_fd:
                     log.warning("master is gone; stopping")

@@ -14,11 +14,13 @@ import contextlib
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from datetime import datetime
 from pathlib import Path
 
@@ -26,7 +28,7 @@ import psutil
 import pytest
 
 import forkq
-from helpers import wait_until
+from helpers import free_port, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 APPS = Path(__file__).resolve().parent / "apps"
@@ -800,6 +802,51 @@ def test_a_slot_that_cannot_be_forked_backs_off_while_the_master_and_other_child
     m.signal(signal.SIGTERM)
     assert m.wait(15) == 0
     assert "Traceback" not in m.stderr()
+
+
+# -- descriptors numbered past select()'s 1024 ------------------------------------------------
+
+# Takes the descriptors up to 1100 before it execs forkq, so that every pipe and socket the
+# master opens, and so each child's end of them, is numbered above 1024: what some 500
+# children give a master by themselves.
+CROWDED_EXEC = """
+import os, resource, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+for _ in range(1100):
+    os.set_inheritable(os.open(os.devnull, os.O_RDONLY), True)
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 2048,
+                    reason="needs a hard limit on open files of 2048 or more")
+def test_a_master_and_children_with_descriptors_past_1024_run_stop_and_serve_metrics(redis_url, r, tmp_path):
+    port = free_port()
+    m = Master(redis_url, tmp_path / "master", processes=2, concurrency=1,
+               args=["--metrics-port", port, "--metrics-bind", "127.0.0.1"])
+    m.cmd = [sys.executable, "-c", CROWDED_EXEC, *m.cmd[1:]]
+    try:
+        m.start()
+        m.wait_slots()
+        assert min(m.ps.num_fds(), *(kid.num_fds() for kid in m.children())) > 1024
+        push(redis_url, "sup.quick", "crowded")
+        wait_event(r, m, "done", "crowded")
+
+        def counted():
+            m.check()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+            return 'forkq_jobs_processed_total{class="sup.quick",queue="default"} 1' in text
+        wait_until(counted, timeout=10, interval=0.2, message=f"the job in the metrics\n{m.tail()}")
+        m.signal(signal.SIGTERM)
+        assert m.wait(15) == 0
+        assert "Traceback" not in m.stderr(), m.stderr()
+        assert_clean(r, m, set())
+    finally:
+        m.kill()
+        print(m.tail(60))
 
 
 # -- a job's own processes: the signals it sends them work ---------------------------------------
