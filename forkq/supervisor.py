@@ -10,9 +10,11 @@ EOF on that pipe tells a child its master is gone.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import os
+import resource
 import select
 import signal
 import socket
@@ -101,6 +103,7 @@ class Supervisor:
         self._watchdog_every = systemd.watchdog_interval()
         self._last_watchdog = 0.0
         self.metrics: MetricsServer | None = None
+        self._open_files_limit = resource.getrlimit(resource.RLIMIT_NOFILE)
 
     # -- main loop ----------------------------------------------------------------------
     def run(self) -> int:
@@ -110,6 +113,7 @@ class Supervisor:
             self.metrics = MetricsServer(self, self.settings.metrics_bind, self.settings.metrics_port)
             host, port = self.metrics.address
             log.info("metrics served", url=f"http://{host}:{port}/metrics")
+        self._open_files_limit = _make_room_for_pipes(self.settings.processes)
         for fd in (self._sig_r, self._sig_w):
             os.set_blocking(fd, False)
         signal.set_wakeup_fd(self._sig_w)
@@ -493,6 +497,8 @@ class Supervisor:
                 os.close(fd)
             except OSError:
                 pass
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, self._open_files_limit)  # the job's own
         if self.metrics is not None:
             self.metrics.abandon()
             self.metrics = None
@@ -635,6 +641,21 @@ def _report_fatal(report_w: int, exc: BaseException) -> None:
         os.write(report_w, b"E" + line.encode("utf-8", "replace") + b"\n")
     except OSError:
         pass
+
+
+def _make_room_for_pipes(processes: int) -> tuple[int, int]:
+    """Raise the soft limit on open files to what the children's pipes need; returns the
+    limits as they were, for the children. The master holds two descriptors per child, and
+    systemd starts a service with a soft limit of 1024: some 500 children would leave no
+    descriptor for the next fork. The hard limit stays what the operator set."""
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft, hard = limits
+    needed = 2 * processes + 256  # and room for Redis, metrics scrapes, the app's own files
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    return limits
 
 
 def _kill(pid: int) -> None:

@@ -849,6 +849,33 @@ def test_a_master_and_children_with_descriptors_past_1024_run_stop_and_serve_met
         print(m.tail(60))
 
 
+LOW_SOFT_LIMIT_EXEC = """
+import os, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (32, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1024,
+                    reason="needs a hard limit on open files of 1024 or more")
+def test_a_low_soft_limit_on_open_files_does_not_keep_children_from_forking(redis_url, r, tmp_path):
+    # systemd's soft limit is 1024; 32 with 16 children is the same squeeze, smaller
+    m = Master(redis_url, tmp_path / "master", processes=16, concurrency=1)
+    m.cmd = [sys.executable, "-c", LOW_SOFT_LIMIT_EXEC, *m.cmd[1:]]
+    try:
+        m.start()
+        m.wait_slots(timeout=40)
+        assert not m.log_events("cannot start a child; trying again")
+        # the jobs run under the limit the operator gave, not the master's raised one
+        assert {kid.rlimit(psutil.RLIMIT_NOFILE)[0] for kid in m.children()} == {32}
+        m.signal(signal.SIGTERM)
+        assert m.wait(30) == 0
+    finally:
+        m.kill()
+        print(m.tail(60))
+
+
 # -- a job's own processes: the signals it sends them work ---------------------------------------
 
 
