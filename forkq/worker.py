@@ -32,7 +32,7 @@ from .scheduler import Scheduler
 from .settings import STOP_GRACE_S, Settings
 
 log = logs.get("forkq.worker")
-TRAPPED = (signal.SIGINT, signal.SIGTERM, signal.SIGTSTP, signal.SIGTTIN)
+TRAPPED = (signal.SIGINT, signal.SIGTERM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGHUP)
 STOP = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -155,7 +155,10 @@ class Worker:
     _title_shown: tuple[int, bool] | None = None
 
     def _handle(self, signum: int) -> None:
-        if signum in STOP:
+        # HUP reaches only a --no-fork worker (a master rolls its children instead): a closed
+        # terminal or a reload. Its default, dying at once, strands the running jobs in this
+        # process's private hash with no master to put them back.
+        if signum in STOP or signum == signal.SIGHUP:
             log.info("stopping", signal=signal.Signals(signum).name)
             self.stopping = True
         elif signum == signal.SIGTSTP:
@@ -229,7 +232,8 @@ def default_signals_in_copies() -> None:
 
 def _default_signals() -> None:
     signal.set_wakeup_fd(-1)
-    for sig in TRAPPED + (signal.SIGHUP, signal.SIGQUIT):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGHUP,
+                signal.SIGQUIT):
         handler = signal.getsignal(sig)
         if callable(handler) and handler is not signal.default_int_handler:
             # an ignored one stays ignored, as exec would leave it

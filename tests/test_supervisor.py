@@ -804,6 +804,23 @@ def test_a_slot_that_cannot_be_forked_backs_off_while_the_master_and_other_child
     assert "Traceback" not in m.stderr()
 
 
+# -- --no-fork: no master to put jobs back ------------------------------------------------------
+
+
+@pytest.mark.timeout(45)
+def test_hup_stops_a_no_fork_worker_gracefully_and_its_running_job_goes_back(start_master, redis_url, r):
+    m = start_master(processes=1, concurrency=1, args=["--no-fork", "--timeout", "1"])
+    wait_until(lambda: m.check() and m.log_events("worker started"), timeout=15, message=m.tail())
+    jid = push(redis_url, "sup.sleep", "long", 60)
+    wait_event(r, m, "start", "long")
+
+    m.signal(signal.SIGHUP)
+    assert m.wait(15) == 0
+    assert [e["signal"] for e in m.log_events("stopping")] == ["SIGHUP"]
+    assert queued_jids(r) == [jid]
+    assert_clean(r, m, set())
+
+
 # -- descriptors numbered past select()'s 1024 ------------------------------------------------
 
 # Takes the descriptors up to 1100 before it execs forkq, so that every pipe and socket the
