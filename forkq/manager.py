@@ -191,6 +191,7 @@ class Manager:
         self.fetch = ReliableFetch(self.redis, identity, order, block_timeout, master,
                                    heartbeat_interval=heartbeat_interval)
         self.health = RedisHealth()
+        self._refusal_logged = float("-inf")
         self.outcomes = Outcomes(self.redis, self.fetch.inflight_key)
         # `processor`: MeteredProcessor when the master serves metrics
         self.processors = [processor(self, i, self.outcomes) for i in range(concurrency)]
@@ -503,6 +504,11 @@ class Manager:
         or until woken, and return the next, longer delay."""
         if isinstance(exc, REDIS_ERRORS):
             self.health.failed(exc)  # one line per outage, not one per attempt
+        elif writes_refused(exc):  # NOREPLICAS, MISCONF: refused claims, one line a minute
+            now = time.monotonic()
+            if now - self._refusal_logged >= 60.0:
+                self._refusal_logged = now
+                log.error(f"{what}: Redis refuses writes", error=str(exc))
         else:
             log.exception(what)
         self._sleep(timeout=delay)
@@ -568,20 +574,20 @@ class Manager:
                 self._suspect = None
                 try:
                     self.write(self.fetch.return_suspect, u, patient=True)
-                except Exception:
-                    log.exception("could not return an unstarted suspect; the final requeue does")
+                except Exception as exc:
+                    _stop_failure(exc, "could not return an unstarted suspect; the final requeue does")
                 continue
             unstarted.append(u)
         # landed jobs arrived after the claimed ones: back first, so the claimed end up ahead
         try:
             self.write(self.fetch.give_back_all_landed, patient=True)
-        except Exception:
-            log.exception("could not return landed jobs; they stay private until the final requeue")
+        except Exception as exc:
+            _stop_failure(exc, "could not return landed jobs; they stay private until the final requeue")
         if unstarted:
             try:
                 self.write(self.fetch.requeue, unstarted, patient=True)
-            except Exception:
-                log.exception("could not return unstarted jobs; they stay in flight for the final requeue")
+            except Exception as exc:
+                _stop_failure(exc, "could not return unstarted jobs; they stay in flight for the final requeue")
         if self.fetch.pending_acks():
             try:
                 self.write(self.fetch.flush_acks, patient=True)
@@ -596,3 +602,12 @@ def _jid(raw: bytes) -> str | None:
     except (ValueError, AttributeError):
         return None
     return jid if isinstance(jid, str) else None
+
+
+def _stop_failure(exc: BaseException, what: str) -> None:
+    """(Inside an except block.) A stop-time write that failed, for a reason the final requeue or the master deals
+    with: an outage or a refusal is one line; anything else keeps its traceback."""
+    if isinstance(exc, REDIS_ERRORS) or writes_refused(exc):
+        log.error(what, error=str(exc))
+    else:
+        log.exception(what)  # called inside the except block

@@ -22,7 +22,7 @@ import redis
 import setproctitle
 
 from . import __version__, client, logs
-from .fetch import requeue_owner
+from .fetch import requeue_owner, writes_refused
 from .launcher import Launcher, new_identity
 from .manager import REDIS_ERRORS, Manager
 from .metrics import DeltaReporter
@@ -179,14 +179,20 @@ class Worker:
         if not finished:
             log.warning("jobs still running at the timeout; putting them back on their queues",
                         busy=self.manager.busy())
+        # The heartbeat first: a beat under way re-asserts this process in the owners
+        # registry, and after the requeue that entry would outlive the process
+        self.launcher.stop()
         # With jobs still running, their requeue comes last, just before _exit: a job that
         # ends after its requeue has run and will run again, so that window stays short.
         requeued = self._requeue_all() if finished else 0
-        self.launcher.stop()
         try:
             self.manager.write(self.launcher.final_flush, patient=True)
         except REDIS_ERRORS:
             log.error("could not write final stats: Redis unreachable")
+        except redis.ResponseError as exc:
+            if not writes_refused(exc):
+                raise
+            log.error("could not write final stats: Redis refuses writes", error=str(exc))
         if self.metrics is not None and self.report_fd is not None:
             self.metrics.send(self.report_fd)  # the last jobs' counts, before the master reaps us
         if not finished:
@@ -205,6 +211,13 @@ class Worker:
         except REDIS_ERRORS:
             log.error("Redis unreachable at stop: in-flight jobs stay in this process's private "
                       "structures until the supervisor or orphan recovery puts them back")
+            return 0
+        except redis.ResponseError as exc:
+            if not writes_refused(exc):
+                raise
+            log.error("Redis refuses writes at stop: in-flight jobs stay in this process's private "
+                      "structures until the supervisor or orphan recovery puts them back",
+                      error=str(exc))
             return 0
 
     def _requeue_once(self) -> int:

@@ -168,3 +168,24 @@ def test_refusals_without_a_redis_py_class_are_told_by_their_code_in_pipelines_t
     import redis
     from forkq.fetch import writes_refused
     assert writes_refused(redis.ResponseError(message)) is refused
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_while_redis_refuses_writes_exits_0_and_says_so_in_one_line(own_redis, workers, r):
+    """The last stats and the final requeue, refused with OOM, raised out of the stop: exit 1
+    with a traceback, and with jobs still running the final requeue never ran."""
+    worker = workers(url=own_redis.url)
+    conn = own_redis.client()
+    try:
+        conn.config_set("maxmemory", "1")
+        worker.signal(signal.SIGTERM)
+        assert worker.wait_exit(30) == 0
+    finally:
+        conn.config_set("maxmemory", "0")
+        conn.close()
+    log = worker.log_path.read_text()
+    assert "Traceback" not in log, log
+    assert "could not write final stats: Redis refuses writes" in log, log
+    # and the process's entry in the owners registry is left for the master or a sweep,
+    # with nothing in it to put back
+    assert own_redis.client().hlen(f"forkq:inflight:{worker.identity}") == 0
