@@ -92,12 +92,17 @@ def _alive_here(pid: int) -> bool:
 
 
 def dead_owners(client: redis.Redis, recovery_delay: float, *, this_host_now: bool = False,
-                skip: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, list[str]]]:
+                skip: set[str] | frozenset[str] = frozenset(),
+                beats_since: float = 0.0) -> list[tuple[str, list[str]]]:
     """Registered owners judged dead, with their queues.
 
-    Dead: heartbeat `beat` older than `recovery_delay`, or no heartbeat and registered longer
-    ago than that. With `this_host_now`, an owner on this host whose master is no longer a
-    running forkq is dead at once (a restarted forkq recovers its predecessor at boot).
+    Dead: heartbeat `beat` older than `recovery_delay` (or 3 of the owner's own heartbeat
+    intervals), or no heartbeat and registered longer ago than that. Silence before
+    `beats_since` (epoch seconds: when Redis last came back from an outage or a refusal of
+    writes) does not count: nobody could beat then, and an owner that beats less often than
+    we waited after it would look dead. With `this_host_now`, an owner on this host whose
+    master is no longer a running forkq is dead at once (a restarted forkq recovers its
+    predecessor at boot).
     """
     owners = client.hgetall(keys.OWNERS)
     if not owners:
@@ -132,14 +137,14 @@ def dead_owners(client: redis.Redis, recovery_delay: float, *, this_host_now: bo
         else:
             started = info.get("started_at")
             last = float(started) if isinstance(started, (int, float)) else 0.0
-        if now - last > _lease(info, recovery_delay):
+        if now - max(last, beats_since) > _lease(info, recovery_delay):
             dead.append((identity.decode(), queues))
     return dead
 
 
 def sweep(client: redis.Redis, recovery_delay: float, holder: str, *, this_host_now: bool = False,
           skip: set[str] | frozenset[str] = frozenset(), stall_limit: float = float("inf"),
-          poison_after: int = 3) -> list[tuple[str, Requeued]] | None:
+          poison_after: int = 3, beats_since: float = 0.0) -> list[tuple[str, Requeued]] | None:
     """Recover every dead owner's jobs, if no other forkq is sweeping; [(identity, counts)].
 
     Each job an owner had in flight counts as in a crash (see the module's docstring): at
@@ -167,7 +172,8 @@ def sweep(client: redis.Redis, recovery_delay: float, holder: str, *, this_host_
         return None
     recovered = []
     try:
-        dead = dead_owners(client, recovery_delay, this_host_now=this_host_now, skip=skip)
+        dead = dead_owners(client, recovery_delay, this_host_now=this_host_now, skip=skip,
+                           beats_since=beats_since)
         if time.monotonic() - started > stall_limit:
             return None
         for identity, queues in dead:

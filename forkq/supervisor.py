@@ -96,6 +96,7 @@ class Supervisor:
         self.exit_code = 0
         self._ready_sent = False
         self._redis_ok_since: float | None = None
+        self._redis_back_at = 0.0  # the same moment in epoch seconds, as heartbeats are written
         self._requeue_retry_at = 0.0   # after Redis failed a requeue, don't block on it again
         self._next_sweep = 0.0
         # a dead forkq's jobs are back within about delay + delay/4 + one heartbeat
@@ -387,12 +388,12 @@ class Supervisor:
         try:
             if self._redis_ok_since is None:
                 self.redis.ping()
-                self._redis_ok_since = now
+                self._redis_ok_since, self._redis_back_at = now, time.time()
             found = orphans.sweep(self.redis, s.recovery_delay if settled else float("inf"),
                                   self.identity, this_host_now=True,
                                   skip={c.identity for c in self.children.values()},
                                   stall_limit=min(1.0, s.recovery_delay / 4),
-                                  poison_after=s.poison_after)
+                                  poison_after=s.poison_after, beats_since=self._redis_back_at)
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
             self._redis_ok_since = None
             return
@@ -402,7 +403,7 @@ class Supervisor:
         if found is None:
             log.warning("Redis stalled during the orphan sweep; no process is judged dead until "
                         "heartbeats have had time to resume")
-            self._redis_ok_since = time.monotonic()
+            self._redis_ok_since, self._redis_back_at = time.monotonic(), time.time()
             return
         for _identity, counts in found:
             self.stats.requeued += counts.requeued

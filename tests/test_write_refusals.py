@@ -157,6 +157,70 @@ def test_a_forkq_elsewhere_is_not_taken_for_dead_when_a_full_redis_takes_writes_
         r.close()
 
 
+@pytest.mark.timeout(90)
+def test_an_owner_that_beats_less_often_than_we_wait_after_a_refusal_keeps_its_jobs(own_redis, tmp_path):
+    """After a refusal (or an outage) the master waited its own recovery delay and beat
+    before judging, then read the silence of the refusal itself as death: another forkq
+    beating every 3 s (a 9 s lease) that the refusal kept silent for 10 s had its running
+    job taken before its next beat. Silence counts from when Redis took writes again."""
+    r = own_redis.client()
+    log_path = tmp_path / "master.log"
+    master = subprocess.Popen(
+        [sys.executable, "-m", "forkq", "start", "--require", str(ORPHAN_APP), "--processes", "1",
+         "--concurrency", "1", "--recovery-delay", "1", "--heartbeat-interval", "0.5",
+         "--log-format", "json", "--pidfile", str(tmp_path / "forkq.pid"), "--timeout", "1"],
+        env=dict(os.environ, FORKQ_REDIS_URL=own_redis.url, PYTHONPATH=str(REPO_ROOT)),
+        cwd=REPO_ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    other = "elsewhere:4242:0123456789ab"
+    running = json.dumps({"class": "orphan.work", "args": ["once", 30], "jid": "j-slow"})
+    r.hset(keys.OWNERS, other, json.dumps({
+        "queues": ["default"], "host": "elsewhere", "pid": 4242, "master": "elsewhere:4241:x",
+        "started_at": time.time(), "heartbeat_interval": 3}))
+    r.hset(keys.inflight(other), "1\ndefault", running)
+
+    def sweeps():
+        return r.info("commandstats").get("cmdstat_eval", {}).get("calls", 0)
+
+    try:
+        r.hset(other, "beat", time.time())
+        wait_until(lambda: master.poll() is None and sweeps() >= 2, timeout=20,
+                   message="the master sweeping")
+        r.config_set("maxmemory", "1")
+        refused_from = time.monotonic()
+        wait_until(lambda: time.monotonic() - refused_from > 10, timeout=20, interval=0.2,
+                   message="a refusal longer than the owner's 9 s lease")
+        r.config_set("maxmemory", "0")
+        back = time.monotonic()
+        # the master settles 1.5 s after the refusal and sweeps each second; the owner's
+        # next beat is due within its 3 s interval: keep to its pace and watch its job
+        next_beat = back + 2.9
+        while time.monotonic() < back + 8:
+            assert r.hget(keys.inflight(other), "1\ndefault") == running.encode(), \
+                "the live owner's running job was taken from it"
+            assert master.poll() is None
+            if time.monotonic() >= next_beat:
+                r.hset(other, "beat", time.time())
+                next_beat += 3
+            time.sleep(0.1)  # the pace of the watch, not a synchronisation
+        assert "recovered a dead process's jobs" not in log_path.read_text()
+        # and an owner that stays silent past its lease is still recovered
+        r.hdel(other, "beat")
+        r.hset(keys.OWNERS, other, json.dumps({
+            "queues": ["default"], "host": "elsewhere", "pid": 4242, "master": "elsewhere:4241:x",
+            "started_at": time.time() - 60, "heartbeat_interval": 3}))
+        wait_until(lambda: r.llen(keys.suspects("default")) == 1, timeout=20,
+                   message="the silent owner's job recovered as a suspect")
+    finally:
+        r.config_set("maxmemory", "0")
+        master.send_signal(signal.SIGTERM)
+        try:
+            master.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(master.pid, signal.SIGKILL)
+            master.wait()
+        r.close()
+
+
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("message, refused", [
     ("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist", True),
