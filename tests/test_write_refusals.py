@@ -93,6 +93,43 @@ def test_a_worker_started_while_redis_refuses_writes_fetches_once_it_takes_them(
     assert worker.stop(timeout=15) == 0
 
 
+OTHER = "elsewhere:4242:0123456789ab"  # a live forkq on another host: tests write its heartbeat
+
+
+def _start_master(own_redis, tmp_path, recovery_delay: str, heartbeat: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "forkq", "start", "--require", str(ORPHAN_APP), "--processes", "1",
+         "--concurrency", "1", "--recovery-delay", recovery_delay, "--heartbeat-interval", heartbeat,
+         "--log-format", "json", "--pidfile", str(tmp_path / "forkq.pid"), "--timeout", "1"],
+        env=dict(os.environ, FORKQ_REDIS_URL=own_redis.url, PYTHONPATH=str(REPO_ROOT)),
+        cwd=REPO_ROOT, stdout=open(tmp_path / "master.log", "w"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+
+
+def _register_other(r, interval: float, jid: str, started_at: float | None = None) -> str:
+    """OTHER in the owners registry, running one job; returns that job's payload."""
+    running = json.dumps({"class": "orphan.work", "args": ["once", 30], "jid": jid})
+    r.hset(keys.OWNERS, OTHER, json.dumps({
+        "queues": ["default"], "host": "elsewhere", "pid": 4242, "master": "elsewhere:4241:x",
+        "started_at": time.time() if started_at is None else started_at, "heartbeat_interval": interval}))
+    r.hset(keys.inflight(OTHER), "1\ndefault", running)
+    return running
+
+
+def _sweeps(r) -> int:
+    # only the master's sweep uses EVAL (releasing the lock it took); workers use EVALSHA
+    return r.info("commandstats").get("cmdstat_eval", {}).get("calls", 0)
+
+
+def _stop_master(master: subprocess.Popen) -> None:
+    master.send_signal(signal.SIGTERM)
+    try:
+        master.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(master.pid, signal.SIGKILL)
+        master.wait()
+
+
 @pytest.mark.timeout(60)
 def test_a_forkq_elsewhere_is_not_taken_for_dead_when_a_full_redis_takes_writes_again(
         own_redis, tmp_path):
@@ -101,27 +138,16 @@ def test_a_forkq_elsewhere_is_not_taken_for_dead_when_a_full_redis_takes_writes_
     a second time beside them."""
     r = own_redis.client()
     here = tmp_path / "master.log"
+    other = OTHER
     # sweeps every second; recovery delay 2 s, and 3 s of a one-second beat for the owner
-    master = subprocess.Popen(
-        [sys.executable, "-m", "forkq", "start", "--require", str(ORPHAN_APP), "--processes", "1",
-         "--concurrency", "1", "--recovery-delay", "2", "--heartbeat-interval", "1",
-         "--log-format", "json", "--pidfile", str(tmp_path / "forkq.pid"), "--timeout", "1"],
-        env=dict(os.environ, FORKQ_REDIS_URL=own_redis.url, PYTHONPATH=str(REPO_ROOT)),
-        cwd=REPO_ROOT, stdout=open(here, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    # a live forkq on another host, running one job: the test writes its heartbeat
-    other = "elsewhere:4242:0123456789ab"
-    running = json.dumps({"class": "orphan.work", "args": ["once", 30], "jid": "j-running"})
-    r.hset(keys.OWNERS, other, json.dumps({
-        "queues": ["default"], "host": "elsewhere", "pid": 4242, "master": "elsewhere:4241:x",
-        "started_at": time.time(), "heartbeat_interval": 1}))
-    r.hset(keys.inflight(other), "1\ndefault", running)
+    master = _start_master(own_redis, tmp_path, "2", "1")
+    running = _register_other(r, 1, "j-running")
 
     def beat():
         r.hset(other, "beat", time.time())
 
     def sweeps():
-        # only the master's sweep uses EVAL (releasing the lock it took); workers use EVALSHA
-        return r.info("commandstats").get("cmdstat_eval", {}).get("calls", 0)
+        return _sweeps(r)
 
     try:
         beat()
@@ -148,12 +174,7 @@ def test_a_forkq_elsewhere_is_not_taken_for_dead_when_a_full_redis_takes_writes_
         assert "recovered a dead process's jobs" not in here.read_text()
     finally:
         r.config_set("maxmemory", "0")
-        master.send_signal(signal.SIGTERM)
-        try:
-            master.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(master.pid, signal.SIGKILL)
-            master.wait()
+        _stop_master(master)
         r.close()
 
 
@@ -165,21 +186,12 @@ def test_an_owner_that_beats_less_often_than_we_wait_after_a_refusal_keeps_its_j
     job taken before its next beat. Silence counts from when Redis took writes again."""
     r = own_redis.client()
     log_path = tmp_path / "master.log"
-    master = subprocess.Popen(
-        [sys.executable, "-m", "forkq", "start", "--require", str(ORPHAN_APP), "--processes", "1",
-         "--concurrency", "1", "--recovery-delay", "1", "--heartbeat-interval", "0.5",
-         "--log-format", "json", "--pidfile", str(tmp_path / "forkq.pid"), "--timeout", "1"],
-        env=dict(os.environ, FORKQ_REDIS_URL=own_redis.url, PYTHONPATH=str(REPO_ROOT)),
-        cwd=REPO_ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    other = "elsewhere:4242:0123456789ab"
-    running = json.dumps({"class": "orphan.work", "args": ["once", 30], "jid": "j-slow"})
-    r.hset(keys.OWNERS, other, json.dumps({
-        "queues": ["default"], "host": "elsewhere", "pid": 4242, "master": "elsewhere:4241:x",
-        "started_at": time.time(), "heartbeat_interval": 3}))
-    r.hset(keys.inflight(other), "1\ndefault", running)
+    other = OTHER
+    master = _start_master(own_redis, tmp_path, "1", "0.5")
+    running = _register_other(r, 3, "j-slow")
 
     def sweeps():
-        return r.info("commandstats").get("cmdstat_eval", {}).get("calls", 0)
+        return _sweeps(r)
 
     try:
         r.hset(other, "beat", time.time())
@@ -205,19 +217,12 @@ def test_an_owner_that_beats_less_often_than_we_wait_after_a_refusal_keeps_its_j
         assert "recovered a dead process's jobs" not in log_path.read_text()
         # and an owner that stays silent past its lease is still recovered
         r.hdel(other, "beat")
-        r.hset(keys.OWNERS, other, json.dumps({
-            "queues": ["default"], "host": "elsewhere", "pid": 4242, "master": "elsewhere:4241:x",
-            "started_at": time.time() - 60, "heartbeat_interval": 3}))
+        _register_other(r, 3, "j-slow", started_at=time.time() - 60)
         wait_until(lambda: r.llen(keys.suspects("default")) == 1, timeout=20,
                    message="the silent owner's job recovered as a suspect")
     finally:
         r.config_set("maxmemory", "0")
-        master.send_signal(signal.SIGTERM)
-        try:
-            master.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(master.pid, signal.SIGKILL)
-            master.wait()
+        _stop_master(master)
         r.close()
 
 
