@@ -23,6 +23,14 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.stderr.write(f"forkq: {mask_text(message)} (see forkq {command}--help)\n")
         raise SystemExit(2)
 
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and " " in self.prog:
+            # argparse hands a subcommand's strays up to the top-level parser, whose error
+            # then points at `forkq --help`, which lists none of that subcommand's flags
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
 
 def _flag_type(option: config.Option):
     def parse(text: str):

@@ -215,6 +215,19 @@ def test_a_url_argparse_echoes_back_has_its_password_masked():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, help_", [
+    (["ctl", "status", "--redis-url", "redis://h:1/0"], "forkq ctl status --help"),
+    (["start", "--no-such-flag"], "forkq start --help"),
+    (["dead", "list", "--no-such-flag"], "forkq dead list --help"),
+    (["queues", "extra"], "forkq queues --help"),
+])
+def test_a_stray_argument_points_at_its_own_commands_help(args, help_):
+    # it pointed at `forkq --help`, which lists none of the subcommand's flags: a user who
+    # gave ctl a --redis-url (start takes one) learnt nothing about what ctl takes instead
+    one_line(run(*args), 2, "unrecognized arguments", f"(see {help_})")
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("args, env, says", [
     (["suspects", "q\udcff"], {}, "the argument (q\\xff) is not valid UTF-8"),
     (["dead", "delete", "--jid", "\udcff"], {}, "the value of --jid (\\xff) is not valid UTF-8"),
