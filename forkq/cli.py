@@ -285,10 +285,11 @@ def ctl(args: argparse.Namespace) -> int:
               or getattr(args, "all", False))
     if args.action in ("quiet", "stop") and remote:
         signame = "TSTP" if args.action == "quiet" else "TERM"
-        sent = control.remote_signal(control.redis_for_ctl(), signame, identity=args.identity,
-                                     host=args.host, everyone=args.all)
+        conn = control.redis_for_ctl()
+        sent = control.remote_signal(conn, signame, identity=args.identity, host=args.host,
+                                     everyone=args.all)
         if not sent:
-            sys.stderr.write("forkq: no live process matches\n")
+            sys.stderr.write(f"forkq: no live process matches{_master_hint(conn, args.identity)}\n")
             return 1
         for identity in sent:
             print(f"{signame} -> {identity}")
@@ -344,6 +345,19 @@ def ctl(args: argparse.Namespace) -> int:
         print(f"{'-' if r['slot'] is None else r['slot']:>4} {r['pid']:>7} {busy:>9} "
               f"{r['rss_mb']:>8.1f} {age:>10}  {state}")
     return 0
+
+
+def _master_hint(conn, identity: str | None) -> str:
+    """What to give instead, when --identity names a master: `forkq processes` shows masters
+    by name in a column of their own, so the name is easy to take for an identity."""
+    from . import control
+    if identity is None:
+        return ""
+    children = [hb["identity"] for hb in control.heartbeats(conn) if hb["info"].get("master") == identity]
+    if not children:
+        return ""
+    return (f": {identity} is a master, which reads no signals of its own; give one of its "
+            f"children (--identity {children[0]}) and the master passes it to them all")
 
 
 def warn_about_redis(settings: Settings) -> None:

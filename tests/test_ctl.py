@@ -534,6 +534,19 @@ def test_remote_quiet_identity_quiets_that_childs_master_only(start_master, r, t
 
 
 @pytest.mark.timeout(40)
+def test_remote_ctl_given_a_masters_name_says_which_identity_to_give(start_master, r, tmp_path):
+    # `forkq processes` shows each master's name in its own column: taken for an identity,
+    # it got only "no live process matches", with nothing saying what to give instead
+    m = start_master("--heartbeat-interval", "1", processes=1)
+    child = m.wait_ready(r)[0]
+    master = child["info"]["master"]
+    err = one_line_failure(ctl("quiet", "--identity", master, cwd=tmp_path),
+                           "no live process matches", f"{master} is a master",
+                           f"--identity {child['identity']}")
+    assert beats(r)[child["identity"]]["quiet"] == "false" and r.llen(child["identity"] + "-signals") == 0, err
+
+
+@pytest.mark.timeout(40)
 def test_remote_stop_identity_stops_that_childs_master_and_host_stops_the_rest(start_master, r, tmp_path):
     a = start_master("--heartbeat-interval", "1", processes=2)
     b = start_master("--heartbeat-interval", "1", processes=1)
