@@ -103,13 +103,15 @@ def record_failure(job: dict[str, Any], exc: BaseException, now: float) -> None:
         # backtrace lines into its page as they are (they are file names and line numbers
         # in Ruby), so a message holding the job's input, "<img src=x onerror=...>" say,
         # ran as script in the browser of whoever opened the retry or the dead job.
-        lines = [ln.rstrip("\n") for chunk in traceback.format_tb(exc.__traceback__)
-                 for ln in chunk.splitlines()]
+        frames = traceback.format_tb(exc.__traceback__)
         if type(keep) is int and keep is not True:
             # Ruby backtraces start at the raise, so Sidekiq's "first N lines" are the ones
             # nearest the error; in Python's order those are the last N (the first are
-            # forkq's own frames).
-            lines = lines[-keep:]
+            # forkq's own frames). A Ruby line is a frame, where Python prints two or three
+            # (the file and line, the code, the carets): counted in text lines, N kept half
+            # frames, backtrace=1 only the carets, which say neither file nor line.
+            frames = frames[-keep:]
+        lines = [ln.rstrip("\n") for chunk in frames for ln in chunk.splitlines()]
         job["error_backtrace"] = payload.encode_backtrace([_utf8(ln) for ln in lines])
 
 

@@ -182,7 +182,8 @@ def test_backtrace_option_stores_a_decodable_error_backtrace(workers, forkq_clie
     worker = workers()
     full = core_jobs.fail_backtrace.enqueue("all")
     three = core_jobs.fail_backtrace3.enqueue("three")
-    entries = {job["jid"]: job for job, _ in wait_zset(r, "retry", 2, worker)}
+    one = core_jobs.fail_backtrace1.enqueue("one")
+    entries = {job["jid"]: job for job, _ in wait_zset(r, "retry", 3, worker)}
 
     lines = decode_backtrace(entries[full]["error_backtrace"])
     assert all(isinstance(line, str) for line in lines)
@@ -192,11 +193,17 @@ def test_backtrace_option_stores_a_decodable_error_backtrace(workers, forkq_clie
     # escapes that one and not the backtrace)
     assert "deep all" not in text and not text.startswith("Traceback")
 
+    # backtrace=N keeps the N frames nearest the error, as Sidekiq's first N Ruby lines
+    # (a Ruby line is a frame): each whole, from its file and line on
     short = decode_backtrace(entries[three]["error_backtrace"])
-    assert len(short) == 3
-    # the lines kept are the ones nearest the error, as Sidekiq's first N Ruby lines are
-    assert "_deep_raise" in "\n".join(short)
+    files = [line for line in short if line.startswith('  File "')]
+    assert short[0] == files[0] and len(files) == 3, short
+    assert files[-2].endswith("in fail_backtrace3") and files[-1].endswith("in _deep_raise"), short
     assert short[-1].strip() == 'raise KeyError(f"deep {tag}")'
+    # one frame: where the error was raised, not the caret line under it alone
+    single = decode_backtrace(entries[one]["error_backtrace"])
+    assert single[0].startswith('  File "') and single[0].endswith("in _deep_index"), single
+    assert single[1].strip() == 'return {}[f"deep {tag}"]', single
 
 
 @pytest.mark.timeout(30)

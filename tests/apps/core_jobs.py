@@ -180,6 +180,16 @@ def _deep_raise(tag):
     raise KeyError(f"deep {tag}")
 
 
+@forkq.job(backtrace=1)
+def fail_backtrace1(tag):
+    _deep_index(tag)
+
+
+def _deep_index(tag):
+    # Python 3.11+ prints a line of carets under the failing subscript
+    return {}[f"deep {tag}"]
+
+
 @forkq.job(retry_queue="retries")
 def fail_retry_queue(tag):
     note("fail", tag)
