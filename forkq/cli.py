@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"forkq: {exc}\n")
         return 1
     except redis_errors() as exc:
-        sys.stderr.write(f"forkq: cannot reach Redis: {exc}\n")
+        from .client import mask_url, redis_url
+        sys.stderr.write(f"forkq: {unreachable(mask_url(redis_url()), exc)}\n")
         return 1
     except redis.RedisError as exc:  # DB index out of range, WRONGTYPE, not a Redis server...
         sys.stderr.write(f"forkq: Redis error: {type(exc).__name__}: {exc}\n")
@@ -263,6 +264,14 @@ def main(argv: list[str] | None = None) -> int:
 def redis_errors() -> tuple[type[BaseException], ...]:
     import redis
     return (redis.ConnectionError, redis.TimeoutError)
+
+
+def unreachable(shown_url: str, exc: BaseException) -> str:
+    """The line for a redis_errors() failure: redis-py files a refused password or ACL user
+    under ConnectionError too, but that Redis was reached, and the fix is the URL's."""
+    if refused_credentials(exc):
+        return f"Redis at {shown_url} refused the credentials (password or ACL user): {exc}"
+    return f"cannot reach Redis at {shown_url}: {exc}"
 
 
 def ctl(args: argparse.Namespace) -> int:

@@ -296,6 +296,21 @@ def test_credentials_redis_refuses_at_start_are_one_line_and_exit_2(tmp_path, mo
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", [["queues"], ["dead", "list"], ["ctl", "quiet", "--all"]])
+def test_credentials_redis_refuses_are_named_by_admin_commands_and_ctl(command):
+    """They said "cannot reach Redis", as for a server that is down, though it answered:
+    the fix is the password in the URL, as start says."""
+    with PasswordRedis() as server:
+        for url in (f"redis://127.0.0.1:{server.port}/0",
+                    f"redis://:wrong-{PASSWORD}@127.0.0.1:{server.port}/0"):
+            out = _forkq(_env(url), *command)
+            err = out.stderr.strip()
+            assert out.returncode == 1 and "\n" not in err and "Traceback" not in out.stderr, out.stderr
+            assert err.startswith("forkq: Redis at redis://") and "refused the credentials" in err, err
+            assert f"127.0.0.1:{server.port}" in err and PASSWORD not in err, err
+
+
+@pytest.mark.timeout(60)
 def test_a_password_changed_under_a_running_master_is_retried_not_fatal(spawn, tmp_path):
     # the start-up check must not reach a running worker: Redis refusing it later (a
     # password rotated before the workers' settings) is logged and retried until it is fixed
