@@ -116,7 +116,9 @@ def whole_number(name: str, low: int = 1, high: int | None = None):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a whole number, not {text!r}") from None
         if value < low or (high is not None and value > high):
-            limit = f"at least {low}" if high is None else f"between {low} and {high}"
+            # a ceiling past any real use (--limit's 2**62) is no help in the message
+            limit = f"at least {low}" if high is None or value < low and high > 10**9 \
+                else f"between {low} and {high}"
             raise argparse.ArgumentTypeError(f"{name} must be {limit}, not {value}")
         return value
     return parse
@@ -459,6 +461,12 @@ def _start(settings: Settings) -> int:
         # passing for a forkq setting in one line that says neither where nor what
         sys.stderr.write(f"forkq: {exc}\n")
         return 2
+    from .jobs import REGISTRY
+    if not REGISTRY:
+        # legal (a worker for jobs yet to be deployed), but far more often a forgotten flag
+        logs.get("forkq").warning(
+            "no jobs are registered: every job fetched fails as unknown and goes to retry "
+            "(give --require the module or .py file that defines them)", require=settings.require)
     try:
         from . import client
         client.connect(settings.redis_url)  # validates the URL before anything forks

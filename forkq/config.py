@@ -166,7 +166,7 @@ OPTIONS = [
     Option("--no-fork", "no_fork", switch, "run one worker in this process, without a master", is_switch=True,
            empty_ok=True),  # FORKQ_NO_FORK= is off, as in a shell
     Option("--poll-interval", "poll_interval", seconds,
-           "average seconds between scheduled/retry polls per process (default 5)"),
+           "average seconds between scheduled/retry polls, times the number of live processes (default 5)"),
     # at most a third of the heartbeat's 60 s expiry (Sidekiq's), or a live process would
     # vanish from `processes` between beats and lose a remote signal left for it
     Option("--heartbeat-interval", "heartbeat_interval", at_most(keys.HEARTBEAT_TTL_S / 3, positive_float),

@@ -277,3 +277,21 @@ def test_stamps_no_clock_wrote_and_sidekiq_8_milliseconds_show_sane_ages(r, redi
     assert out.returncode == 0, out.stderr
     (busy,) = json.loads(out.stdout)
     assert busy["jid"] == "ms" and 85 < busy["running_for"] < 200, busy
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_with_no_jobs_registered_says_so_and_a_limit_of_0_is_told_plainly(redis_url, tmp_path):
+    log_path = tmp_path / "worker.log"
+    env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO_ROOT))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "forkq", "start", "--no-fork"], env=env,
+                                cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "worker started" in log_path.read_text(), timeout=30,
+                   message="the worker started")
+        assert "no jobs are registered" in log_path.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    # 2**62 is --limit's ceiling: no help to whoever gave 0
+    one_line(run("dead", "list", "--limit", "0"), 2, "--limit must be at least 1, not 0")
