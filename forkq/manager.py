@@ -605,8 +605,9 @@ def _jid(raw: bytes) -> str | None:
 
 
 def _stop_failure(exc: BaseException, what: str) -> None:
-    """(Inside an except block.) A stop-time write that failed, for a reason the final requeue or the master deals
-    with: an outage or a refusal is one line; anything else keeps its traceback."""
+    """A stop-time write that failed (called inside its except block). An outage or a
+    refusal, which the final requeue or the master deals with, is one line; anything else
+    keeps its traceback."""
     if isinstance(exc, REDIS_ERRORS) or writes_refused(exc):
         log.error(what, error=str(exc))
     else:

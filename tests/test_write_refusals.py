@@ -138,34 +138,30 @@ def test_a_forkq_elsewhere_is_not_taken_for_dead_when_a_full_redis_takes_writes_
     a second time beside them."""
     r = own_redis.client()
     here = tmp_path / "master.log"
-    other = OTHER
     # sweeps every second; recovery delay 2 s, and 3 s of a one-second beat for the owner
     master = _start_master(own_redis, tmp_path, "2", "1")
     running = _register_other(r, 1, "j-running")
 
     def beat():
-        r.hset(other, "beat", time.time())
-
-    def sweeps():
-        return _sweeps(r)
+        r.hset(OTHER, "beat", time.time())
 
     try:
         beat()
-        wait_until(lambda: master.poll() is None and sweeps() >= 2, timeout=20,
+        wait_until(lambda: master.poll() is None and _sweeps(r) >= 2, timeout=20,
                    message="the master sweeping")
         r.config_set("maxmemory", "1")
         # longer than the owner's 3 s lease: its beats are refused meanwhile
         refused_from = time.monotonic()
         wait_until(lambda: time.monotonic() - refused_from > 4 and _rejected(r, "set") >= 3,
                    timeout=20, message="sweeps refused through more than the owner's lease")
-        done = sweeps()
+        done = _sweeps(r)
         r.config_set("maxmemory", "0")
         # the first sweep after the refusal, then the owner's first beat since
-        wait_until(lambda: sweeps() > done, timeout=10, message="a sweep after the refusal")
+        wait_until(lambda: _sweeps(r) > done, timeout=10, message="a sweep after the refusal")
         beat()
         until = time.monotonic() + 4  # past the master's settling time (delay + its beat)
         while time.monotonic() < until:
-            assert r.hget(keys.inflight(other), "1\ndefault") == running.encode(), \
+            assert r.hget(keys.inflight(OTHER), "1\ndefault") == running.encode(), \
                 "the live owner's running job was taken from it"
             assert master.poll() is None
             beat()
@@ -186,16 +182,12 @@ def test_an_owner_that_beats_less_often_than_we_wait_after_a_refusal_keeps_its_j
     job taken before its next beat. Silence counts from when Redis took writes again."""
     r = own_redis.client()
     log_path = tmp_path / "master.log"
-    other = OTHER
     master = _start_master(own_redis, tmp_path, "1", "0.5")
     running = _register_other(r, 3, "j-slow")
 
-    def sweeps():
-        return _sweeps(r)
-
     try:
-        r.hset(other, "beat", time.time())
-        wait_until(lambda: master.poll() is None and sweeps() >= 2, timeout=20,
+        r.hset(OTHER, "beat", time.time())
+        wait_until(lambda: master.poll() is None and _sweeps(r) >= 2, timeout=20,
                    message="the master sweeping")
         r.config_set("maxmemory", "1")
         refused_from = time.monotonic()
@@ -207,16 +199,16 @@ def test_an_owner_that_beats_less_often_than_we_wait_after_a_refusal_keeps_its_j
         # next beat is due within its 3 s interval: keep to its pace and watch its job
         next_beat = back + 2.9
         while time.monotonic() < back + 8:
-            assert r.hget(keys.inflight(other), "1\ndefault") == running.encode(), \
+            assert r.hget(keys.inflight(OTHER), "1\ndefault") == running.encode(), \
                 "the live owner's running job was taken from it"
             assert master.poll() is None
             if time.monotonic() >= next_beat:
-                r.hset(other, "beat", time.time())
+                r.hset(OTHER, "beat", time.time())
                 next_beat += 3
             time.sleep(0.1)  # the pace of the watch, not a synchronisation
         assert "recovered a dead process's jobs" not in log_path.read_text()
         # and an owner that stays silent past its lease is still recovered
-        r.hdel(other, "beat")
+        r.hdel(OTHER, "beat")
         _register_other(r, 3, "j-slow", started_at=time.time() - 60)
         wait_until(lambda: r.llen(keys.suspects("default")) == 1, timeout=20,
                    message="the silent owner's job recovered as a suspect")
