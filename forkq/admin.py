@@ -24,6 +24,9 @@ SET_ACTIONS = {"dead": ("retry", "delete"), "retry": ("retry-now", "delete", "ki
                "schedule": ("run-now", "delete", "kill")}
 
 
+# the verbs that put entries back on their queues: a malformed entry has none to go to
+RUN_VERBS = ("retry", "retry-now", "run-now")
+
 MALFORMED_HELP = ("entries that are no runnable job: forkq.MalformedJob (a payload forkq "
                   "could not parse) and members that do not parse")
 
@@ -63,7 +66,10 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
             pick.add_argument("--class", dest="klass", metavar="NAME", help="every entry of this class")
             pick.add_argument("--queue", help="every entry of this queue")
             pick.add_argument("--all", action="store_true", help="every entry")
-            pick.add_argument("--malformed", action="store_true", help=MALFORMED_HELP)
+            # retry and run-now refuse it with a line saying why, so it stays accepted there,
+            # but --help offers it only where it does something
+            pick.add_argument("--malformed", action="store_true",
+                              help=argparse.SUPPRESS if verb in RUN_VERBS else MALFORMED_HELP)
 
 
 COMMANDS = ("stats", "queues", "processes", "busy", "suspects", *SET_ACTIONS)
@@ -246,7 +252,7 @@ def _set_command(conn, args: argparse.Namespace) -> int:
             f"no matching entries in {args.command}"]
         _emit(args, [e.to_dict() for e in entries], table)
         return 0
-    if getattr(args, "malformed", False) and args.action in ("retry", "retry-now", "run-now"):
+    if getattr(args, "malformed", False) and args.action in RUN_VERBS:
         sys.stderr.write(f"forkq: {args.action} --malformed: these entries are no runnable jobs; "
                          f"list them, or delete them\n")
         return 2

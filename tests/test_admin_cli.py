@@ -203,6 +203,11 @@ def test_malformed_selects_only_what_was_never_a_runnable_job(r, redis_url):
     assert [e["jid"] for e in ok_json("dead", "list", "--malformed", "--jid", bad[1]["jid"])] == [bad[1]["jid"]]
     out = run("dead", "retry", "--malformed")
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "delete" in out.stderr, out.stderr
+    # offered only where it does something
+    helps = {verb: run(name, verb, "--help").stdout for name, verb in
+             (("dead", "retry"), ("dead", "delete"), ("retry", "retry-now"), ("retry", "kill"),
+              ("schedule", "run-now"), ("schedule", "list"))}
+    assert {verb for verb, text in helps.items() if "--malformed" in text} == {"delete", "kill", "list"}
     assert ok_json("dead", "delete", "--malformed") == {"set": "dead", "action": "delete", "count": 3}
     assert [e["jid"] for e in ok_json("dead", "list")] == ["%024x" % (i + 1) for i in range(3)]
     # the selector is one of the bulk ones: not beside another
