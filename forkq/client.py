@@ -374,17 +374,21 @@ class Client:
     def push(self, name: str, args: Iterable[Any] = (), *, queue: str = "default",
              retry: bool | int = True, at: float | datetime | None = None, **options: Any) -> str | None:
         """Push one job; return its jid, or None if a client middleware dropped it."""
-        jids = self.push_bulk(name, [args], queue=queue, retry=retry, at=at, **options)
+        jids = self._push_checked(name, [payload.check_args(payload.bulk_item(args))], queue,
+                                  retry, at, options)
         return jids[0] if jids else None
 
     def push_bulk(self, name: str, args_list: Iterable[Iterable[Any]], *, queue: str = "default",
                   retry: bool | int = True, at: float | datetime | None = None,
                   **options: Any) -> list[str]:
         """Push many jobs of one kind in one round trip (Sidekiq's push_bulk); return jids."""
-        checked = [payload.check_args(payload.bulk_item(a)) for a in args_list]
+        return self._push_checked(name, payload.check_many(args_list), queue, retry, at, options)
+
+    def _push_checked(self, name: str, checked: list[list], queue: str, retry: bool | int,
+                      at: float | datetime | None, options: dict[str, Any]) -> list[str]:
+        payload.check_options(options)
         now = time.time()
-        jobs = [payload.build(name, a, queue, retry, now, **payload.check_options(options))
-                for a in checked]
+        jobs = [payload.build(name, a, queue, retry, now, **options) for a in checked]
         return self.push_jobs(jobs, at=at)
 
     def push_jobs(self, jobs: list[dict[str, Any]], at: float | datetime | None = None) -> list[str]:

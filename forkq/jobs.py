@@ -58,7 +58,7 @@ class Enqueuer:
         Every argument list is checked before any job is pushed, so a bad one pushes
         nothing. When Redis fails after some batches went in, PartialEnqueue says which
         jobs are in Redis: a retry of the rest pushes no job twice."""
-        checked = [payload.check_args(payload.bulk_item(a)) for a in args_list]
+        checked = payload.check_many(args_list)
         jids: list[str] = []
         for start in range(0, len(checked), batch_size):
             jobs = self._build(checked[start:start + batch_size])

@@ -9,6 +9,7 @@ import re
 import time
 import zlib
 from random import getrandbits
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
@@ -115,6 +116,18 @@ def check_args(args: Any) -> list:
                 "JSON-native values: None, bool, int, float (finite), str, list, dict with str keys"
             )
     return args
+
+
+def check_many(args_list: Iterable[Any]) -> list[list]:
+    """check_args for each item of a bulk push; a refusal names the item, since the value
+    alone may not tell which of thousands it was in."""
+    checked = []
+    for item in args_list:
+        try:
+            checked.append(check_args(bulk_item(item)))
+        except TypeError as exc:
+            raise TypeError(f"item {len(checked)} of the list: {exc}") from None
+    return checked
 
 
 def check_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -197,9 +197,14 @@ def test_enqueue_many_wants_a_list_of_argument_lists(forkq_client, r, items, sho
 def test_a_bad_argument_in_a_later_batch_pushes_nothing(forkq_client, r):
     items = [[i] for i in range(2500)]
     items[2100] = [object()]
-    with pytest.raises(TypeError, match=r"args\[0\]"):
+    # the item is named: the value alone does not say which of 2,500 it was in
+    with pytest.raises(TypeError, match=r"^item 2100 of the list: job argument args\[0\] is <object"):
         core_jobs.record.enqueue_many(items, batch_size=1000)
+    with pytest.raises(TypeError, match=r"^item 2100 of the list: "):
+        forkq.default_client().push_bulk("X", items)
     assert r.dbsize() == 0  # not the first two batches either
+    with pytest.raises(TypeError, match=r"^job argument args\[0\]"):  # no item in a single push
+        forkq.default_client().push("X", [object()])
 
 
 def _at_second_batch(act):
