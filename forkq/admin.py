@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from . import config
-from .cli import ArgumentParser, _flag_type, nonempty, redis_errors, unreachable, whole_number
+from .cli import ArgumentParser, _flag_type, nonempty, redis_errors, whole_number
 from .errors import ConfigError
 
 # --limit's ceiling: what itertools.islice and Redis's LRANGE indexes take; above it a list
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         data, table = {"stats": _stats, "queues": _queues, "processes": _processes,
                        "busy": _busy, "suspects": _suspects}[args.command](conn, args)
     except redis_errors() as exc:
-        sys.stderr.write(f"forkq: {unreachable(client.mask_url(url), exc)}\n")
+        sys.stderr.write(f"forkq: {client.unreachable(client.mask_url(url), exc)}\n")
         return 1
     except redis.RedisError as exc:
         sys.stderr.write(f"forkq: Redis at {client.mask_url(url)} answered with an error: "

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"forkq: {exc}\n")
         return 1
     except redis_errors() as exc:
-        from .client import mask_url, redis_url
+        from .client import mask_url, redis_url, unreachable
         sys.stderr.write(f"forkq: {unreachable(mask_url(redis_url()), exc)}\n")
         return 1
     except redis.RedisError as exc:  # DB index out of range, WRONGTYPE, not a Redis server...
@@ -266,14 +266,6 @@ def main(argv: list[str] | None = None) -> int:
 def redis_errors() -> tuple[type[BaseException], ...]:
     import redis
     return (redis.ConnectionError, redis.TimeoutError)
-
-
-def unreachable(shown_url: str, exc: BaseException) -> str:
-    """The line for a redis_errors() failure: redis-py files a refused password or ACL user
-    under ConnectionError too, but that Redis was reached, and the fix is the URL's."""
-    if refused_credentials(exc):
-        return f"Redis at {shown_url} refused the credentials (password or ACL user): {exc}"
-    return f"cannot reach Redis at {shown_url}: {exc}"
 
 
 def ctl(args: argparse.Namespace) -> int:
@@ -380,7 +372,7 @@ def warn_about_redis(settings: Settings) -> None:
     try:
         conn.ping()
     except redis.RedisError as exc:
-        if refused_credentials(exc):
+        if client.refused_credentials(exc):
             # redis-py files this under ConnectionError, but a retry only repeats the
             # refusal: at start it is a setting to fix (a password rotated under a running
             # worker is an outage to it instead, logged and retried)
@@ -418,14 +410,6 @@ def warn_about_timing(settings: Settings) -> None:
             "the GIL) stops its heartbeat, and another forkq may take its jobs before this "
             "master kills it; the job could then finish twice",
             recovery_delay=s.recovery_delay, hang_timeout=s.hang_timeout)
-
-
-def refused_credentials(exc: BaseException) -> bool:
-    """A wrong password or ACL user: redis-py raises AuthenticationError for WRONGPASS and
-    NOAUTH, but an error reply it does not map arrives as a plain ResponseError."""
-    import redis
-    return isinstance(exc, redis.AuthenticationError) or (
-        isinstance(exc, redis.ResponseError) and str(exc).startswith(("WRONGPASS", "NOAUTH")))
 
 
 class StoppedWhileStarting(BaseException):

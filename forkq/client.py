@@ -41,6 +41,21 @@ def redis_url(url: str | None = None) -> str:
     return url
 
 
+def refused_credentials(exc: BaseException) -> bool:
+    """A wrong password or ACL user: redis-py raises AuthenticationError for WRONGPASS and
+    NOAUTH, but an error reply it does not map arrives as a plain ResponseError."""
+    return isinstance(exc, redis.AuthenticationError) or (
+        isinstance(exc, redis.ResponseError) and str(exc).startswith(("WRONGPASS", "NOAUTH")))
+
+
+def unreachable(shown_url: str, exc: BaseException) -> str:
+    """What to say of a connection failure: redis-py files a refused password or ACL user
+    under ConnectionError too, but that Redis was reached, and the fix is the URL's."""
+    if refused_credentials(exc):
+        return f"Redis at {shown_url} refused the credentials (password or ACL user): {exc}"
+    return f"cannot reach Redis at {shown_url}: {exc}"
+
+
 def mask_url(url: str) -> str:
     """The URL with any password replaced (in the userinfo or a password= query
     parameter, both of which redis-py accepts, or a sentinel_password= or ssl_password=
@@ -450,7 +465,7 @@ class Client:
                     "may or may not have been pushed", maybe_pushed=True) from None
             except redis.ConnectionError as exc:
                 raise RedisUnavailable(
-                    f"cannot reach Redis at {mask_url(self.url)}: {exc}; the job was not pushed"
+                    f"{unreachable(mask_url(self.url), exc)}; the job was not pushed"
                     f"{tls_hint(self.url, self._options, exc)}") from None
         raise AssertionError("unreachable")
 

@@ -338,3 +338,27 @@ def test_a_password_changed_under_a_running_master_is_retried_not_fatal(spawn, t
         wait_until(lambda: master.poll() is None and r.llen("core:ran") == 1, timeout=30,
                    message=f"the job ran once the password was back\n{log.read_text()[-3000:]}")
         r.close()
+
+
+@pytest.mark.timeout(60)
+def test_credentials_redis_refuses_are_named_by_a_push_and_the_dashboard():
+    """The library's RedisUnavailable and the dashboard's 503 said "cannot reach Redis",
+    as the commands did, for a server that answered and refused the password."""
+    from wsgiref.util import setup_testing_defaults
+
+    import forkq
+    from forkq.web import make_app
+    with PasswordRedis() as server:
+        url = f"redis://:wrong-{PASSWORD}@127.0.0.1:{server.port}/0"
+        for push in (lambda c: c.push("X", [1]), lambda c: c.push_bulk("X", [[1], [2]])):
+            with pytest.raises(forkq.RedisUnavailable) as info:
+                push(forkq.Client(url))
+            message = str(info.value)
+            assert "refused the credentials" in message and "not pushed" in message, message
+            assert not info.value.maybe_pushed and PASSWORD not in message, message
+        environ: dict = {"PATH_INFO": "/queues"}
+        setup_testing_defaults(environ)
+        answer: list = []
+        body = b"".join(make_app(url)(environ, lambda status, headers: answer.append(status)))
+        assert answer == ["503 Service Unavailable"], answer
+        assert b"refused the credentials" in body and PASSWORD.encode() not in body, body[-2000:]

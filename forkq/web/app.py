@@ -137,7 +137,7 @@ class Dashboard:
             resp = Response.text(f"bad request: {exc}\n", "400 Bad Request")
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             resp = self.render(req, "error.html", status="503 Service Unavailable",
-                               message=f"cannot reach Redis at {client.mask_url(self.redis_url)}: {exc}")
+                               message=client.unreachable(client.mask_url(self.redis_url), exc))
         except redis.RedisError as exc:  # e.g. WRONGTYPE: a key that is not what Sidekiq writes
             resp = self.render(req, "error.html", status="500 Internal Server Error",
                                message=f"Redis answered: {exc}")
