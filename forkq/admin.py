@@ -38,6 +38,9 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     common = ArgumentParser(add_help=False)
     common.add_argument("--redis-url", default=None, type=_flag_type(config.BY_KEY["redis_url"]),
                         help="Redis URL [env FORKQ_REDIS_URL]")
+    common.add_argument("--config", metavar="PATH", default=None, type=nonempty,
+                        help="the TOML file start was given, for its redis-url (default: "
+                             "./pyproject.toml's [tool.forkq] if any) [env FORKQ_CONFIG]")
     common.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
     p = sub.add_parser("stats", parents=[common], help="processed/failed totals, set sizes, crash suspects, daily history")
     p.add_argument("--days", type=whole_number("--days", 1, 3660), default=7, help="days of history (default 7)")
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     import redis
     from . import api, client
     try:
-        url = client.redis_url(args.redis_url or config.from_env("redis_url"))
+        url = client.redis_url(config.redis_url_for_tools(args.redis_url, args.config))
     except ConfigError as exc:
         sys.stderr.write(f"forkq: {exc}\n")
         return 2

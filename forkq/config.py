@@ -233,6 +233,24 @@ def from_env(field: str, environ: Mapping[str, str] | None = None) -> Any:
     return _parse(o, (raw.split() or [raw]) if o.repeat else raw, f"{o.env}={_shown(o, raw)}")
 
 
+def redis_url_for_tools(flag: str | None, config_flag: str | None = None) -> str | None:
+    """The Redis URL of the commands that run no worker (the admin commands, forkq web):
+    the flag, else FORKQ_REDIS_URL, else redis-url in the file start reads (--config,
+    FORKQ_CONFIG, ./pyproject.toml), else None for the default. The file's other settings
+    are left for start to judge: a value only a worker uses must not stop `forkq stats`."""
+    if flag is not None:
+        return flag
+    url = from_env("redis_url")
+    if url is not None:
+        return url
+    values, name = read_file(config_path(config_flag))
+    o = BY_KEY["redis_url"]
+    for key, raw in values.items():
+        if BY_KEY[key] is o:
+            return _parse(o, raw, f"{name}: {o.name} = {_shown(o, raw)}")
+    return None
+
+
 def _keys() -> dict[str, Option]:
     table: dict[str, Option] = {}
     for o in OPTIONS:

@@ -134,6 +134,47 @@ def test_bad_arguments_and_unreachable_redis_are_one_line(r, redis_url):
     assert "hunter2" not in out.stderr and "***" in out.stderr
 
 
+@pytest.mark.timeout(60)
+def test_admin_commands_and_web_read_the_redis_url_start_reads_from_its_file(r, redis_url, tmp_path,
+                                                                           monkeypatch):
+    """They read --redis-url and FORKQ_REDIS_URL only: in a project configured by its
+    pyproject.toml, `forkq stats` looked at a Redis on localhost instead of the workers'."""
+    forkq.Client(redis_url).push("Counted", [1], queue="from-file")
+    monkeypatch.delenv("FORKQ_REDIS_URL")
+    # a setting only a worker uses, with a bad value, is start's business
+    (tmp_path / "pyproject.toml").write_text(f'[tool.forkq]\nredis-url = "{redis_url}"\nprocesses = 0\n')
+    (tmp_path / "other.toml").write_text('redis-url = "redis://127.0.0.1:1/0"\n')
+
+    def queues(*args: str, cwd=tmp_path, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "forkq", "queues", "--json", *args],
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **env}, cwd=cwd,
+                              capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+
+    out = queues()
+    assert out.returncode == 0, out.stderr
+    assert [q["name"] for q in json.loads(out.stdout)] == ["from-file"]
+    for named in (queues("--config", "other.toml"), queues(FORKQ_CONFIG="other.toml")):
+        assert named.returncode == 1 and "127.0.0.1:1/0" in named.stderr, named.stderr
+    # the variable and the flag still come first
+    assert queues(FORKQ_REDIS_URL="redis://127.0.0.1:1/0").returncode == 1
+    assert queues("--redis-url", redis_url, "--config", "other.toml").returncode == 0
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "pyproject.toml").write_text('[tool.forkq]\nredis-url = 5\n')
+    out = queues(cwd=bad)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "redis-url" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+    from webkit import Client as Browser, WebServer
+    web = WebServer(redis_url)
+    web.cmd = [sys.executable, "-m", "forkq", "web", "--port", str(web.port),
+               "--config", str(tmp_path / "pyproject.toml")]
+    web.env.pop("FORKQ_REDIS_URL", None)
+    with web:
+        page = Browser(web.base).get("/queues")
+        assert page.status == 200 and "from-file" in page.text
+
+
 @pytest.mark.timeout(30)
 def test_busy_lists_running_jobs_longest_first(r, redis_url, workers):
     from corekit import core_jobs

@@ -28,6 +28,9 @@ def add_web_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token", default=None, type=nonempty,
                    help="require this bearer token (or a login with it) [env FORKQ_WEB_TOKEN]")
     p.add_argument("--redis-url", default=None, type=nonempty, help="Redis URL [env FORKQ_REDIS_URL]")
+    p.add_argument("--config", metavar="PATH", default=None, type=nonempty,
+                   help="the TOML file start was given, for its redis-url (default: "
+                        "./pyproject.toml's [tool.forkq] if any) [env FORKQ_CONFIG]")
     p.add_argument("--url-prefix", default="", metavar="PATH",
                    help="serve under this path, e.g. /forkq behind a reverse proxy")
     p.add_argument("--login-limit", type=whole_number("--login-limit", 0), default=10, metavar="N",
@@ -44,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         password = args.password or config.given("FORKQ_WEB_PASSWORD", os.environ.get("FORKQ_WEB_PASSWORD"))
         token = args.token or config.given("FORKQ_WEB_TOKEN", os.environ.get("FORKQ_WEB_TOKEN"))
         secret = config.given("FORKQ_WEB_SECRET", os.environ.get("FORKQ_WEB_SECRET"))
-        redis_url = args.redis_url or config.from_env("redis_url")
+        redis_url = config.redis_url_for_tools(args.redis_url, args.config)
     except ConfigError as exc:
         sys.stderr.write(f"forkq: {exc}\n")
         return 2
