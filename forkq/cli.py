@@ -445,6 +445,10 @@ def _start(settings: Settings) -> int:
         # passing for a forkq setting in one line that says neither where nor what
         sys.stderr.write(f"forkq: {exc}\n")
         return 2
+    # An app that calls structlog.configure at import (in its settings module, say) would
+    # otherwise rule the master's lines, while each child sets forkq's up again after the
+    # fork: the master's lines went to the app's stream and format, without pid.
+    logs.configure(settings.log_level, settings.log_format)
     from .jobs import REGISTRY
     if not REGISTRY:
         # legal (a worker for jobs yet to be deployed), but far more often a forgotten flag

@@ -1,0 +1,21 @@
+"""An application that sets up its own logging when imported, as many do in a settings
+module: stdlib logging to stderr, and structlog rendering JSON to stderr."""
+
+import logging
+import sys
+
+import structlog
+
+import forkq
+
+logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="APP %(name)s %(message)s")
+structlog.configure(
+    processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
+    logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+)
+
+
+@forkq.job(name="adopt.chatty", retry=0)
+def chatty(x: int) -> None:
+    structlog.get_logger("app").info("structlog inside the job", x=x)
+    logging.getLogger("app").info("stdlib inside the job %s", x)

@@ -1,0 +1,68 @@
+"""An application adopting forkq: its own logging set-up, hooks and middleware, the way a
+team moving from Celery or RQ writes them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import forkq
+from helpers import json_lines, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+APPS = REPO / "tests" / "apps"
+
+
+def _start(url: str, app: Path, out: Path, err: Path, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, FORKQ_REDIS_URL=url, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-m", "forkq", "start", "--require", str(app),
+                             "--log-format", "json", *extra],
+                            env=env, cwd=REPO, stdout=open(out, "w"), stderr=open(err, "w"),
+                            start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _event(path: Path, event: str) -> dict | None:
+    return next((x for x in json_lines(path) if x.get("event") == event), None)
+
+
+@pytest.mark.timeout(60)
+def test_an_app_that_configures_structlog_at_import_keeps_forkqs_lines_in_the_master(
+        redis_url, tmp_path):
+    # The master imports the app after setting up its logs, and each child sets them up
+    # again after the fork: the app's structlog.configure used to win in the master only,
+    # whose lines then went to the app's stream, without pid, whatever --log-format said.
+    out, err = tmp_path / "out.log", tmp_path / "err.log"
+    proc = _start(redis_url, APPS / "adopt_jobs.py", out, err, "--processes", "1",
+                  "--pidfile", str(tmp_path / "pid"))
+    try:
+        jid = forkq.Client(redis_url).push("adopt.chatty", [7])
+        line = wait_until(lambda: _event(out, "structlog inside the job"), timeout=20,
+                          message="the job's structlog line in forkq's output")
+        assert line["jid"] == jid and line["class"] == "adopt.chatty" and line["slot"] == 0
+        # the app's stdlib logging still goes where the app sent it
+        wait_until(lambda: "APP app stdlib inside the job 7" in err.read_text(), timeout=10)
+        assert _stop(proc) == 0
+        for event in ("master started", "child started", "master stopped"):
+            master = _event(out, event)
+            assert master is not None, f"{event!r} not in forkq's output: {err.read_text()[-2000:]}"
+            assert master["pid"] == proc.pid and master["level"] == "info" and "timestamp" in master
+        assert all(x.get("event") != "master started" for x in json_lines(err))
+    finally:
+        _stop(proc)
