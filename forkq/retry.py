@@ -162,6 +162,8 @@ class Outcomes:
         self._to_dead = scripts.load(client, "to_dead")
         # token -> (fate, write) of failures whose write has not succeeded yet
         self._plans: dict[str, tuple[str, Callable[[str], None]]] = {}
+        # told the due time of each retry written, so this process's poller looks by then
+        self.retry_written: Callable[[float], None] | None = None
 
     def to_dead(self, job: dict[str, Any], token: str | bytes | None, now: float | None = None,
                 source: str | None = None, kind: str = "hash") -> None:
@@ -175,6 +177,8 @@ class Outcomes:
         pipe.zadd(keys.RETRY, {payload.dumps(job): at})
         pipe.hdel(self.inflight_key, token)
         pipe.execute()
+        if self.retry_written is not None:
+            self.retry_written(at)
 
     def drop(self, token: str) -> None:
         self.redis.hdel(self.inflight_key, token)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -28,6 +29,10 @@ class Scheduler:
         self.first_wait = first_wait
         self._move = scripts.load(client, "move_due")
         self._stop = threading.Event()
+        self._bell = threading.Condition()
+        # the earliest time (epoch s) a retry written by this process since the last poll
+        # falls due: the poller wakes for it, where Redis's earliest was read before it
+        self._due = math.inf
         self._thread = threading.Thread(target=self._run, name="forkq-scheduler", daemon=True)
 
     def start(self) -> None:
@@ -35,13 +40,36 @@ class Scheduler:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._bell:
+            self._bell.notify()
         self._thread.join(5)
+
+    def due_at(self, at: float) -> None:
+        """A job was just put in the retry set to run at `at` (epoch seconds): poll by then.
+
+        Without this, a retry due sooner than the poller's next look (a `retry_in` hook's 0
+        or a few seconds) waited for it, on average the poll interval times the live
+        processes."""
+        with self._bell:
+            if at < self._due:
+                self._due = at
+                self._bell.notify()
+
+    def _sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        with self._bell:
+            while not self._stop.is_set():
+                left = min(deadline - time.monotonic(), self._due - time.time())
+                if left <= 0:
+                    return
+                self._bell.wait(left)
 
     def _run(self) -> None:
         first = self.first_wait if self.first_wait is not None else min(self.average, 1.0) * random.random()
-        if self._stop.wait(first):
-            return
+        self._sleep(first)
         while not self._stop.is_set():
+            with self._bell:
+                self._due = math.inf  # this poll sees what came before; it may miss what comes after
             try:
                 self.poll()
                 wait = self._next_wait()
@@ -50,7 +78,7 @@ class Scheduler:
             except Exception:
                 log.exception("scheduled-set poll failed")
                 wait = self.average
-            self._stop.wait(wait)
+            self._sleep(wait)
 
     def poll(self, now: float | None = None) -> int:
         """Move every due job in both sets; returns how many moved."""

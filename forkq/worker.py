@@ -85,6 +85,7 @@ class Worker:
         self.launcher = Launcher(conn, self.identity, self.manager, info, self.remote_command,
                                  s.heartbeat_interval)
         self.scheduler = Scheduler(conn, self.manager.outcomes, s.poll_interval)
+        self.manager.outcomes.retry_written = self.scheduler.due_at
         self.manager.start()
         self.launcher.start()
         self.scheduler.start()

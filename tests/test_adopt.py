@@ -66,3 +66,22 @@ def test_an_app_that_configures_structlog_at_import_keeps_forkqs_lines_in_the_ma
         assert all(x.get("event") != "master started" for x in json_lines(err))
     finally:
         _stop(proc)
+
+
+@pytest.mark.timeout(60)
+def test_a_retry_due_at_once_runs_at_once_not_at_the_next_scheduled_poll(redis_url, r, tmp_path):
+    # retry_in returning 0 puts the job in the retry set due now, and the README says it
+    # retries at once; the poller slept on for its own interval (on average --poll-interval
+    # times the live processes, here 30 s) before it looked at the retry set again.
+    out, err = tmp_path / "out.log", tmp_path / "err.log"
+    proc = _start(redis_url, APPS / "adopt_jobs.py", out, err, "--no-fork", "--poll-interval", "30")
+    try:
+        wait_until(lambda: _event(out, "worker started"), timeout=20, message="the worker's start")
+        forkq.Client(redis_url).push("adopt.flaky", ["runs", 2], retry=5)
+        runs = wait_until(lambda: len(r.lrange("runs", 0, -1)) == 3 and r.lrange("runs", 0, -1),
+                          timeout=20, message="three runs of the job")
+        started = [float(x) for x in runs]
+        assert started[2] - started[0] < 5, started
+        assert _stop(proc) == 0
+    finally:
+        _stop(proc)

@@ -19,3 +19,16 @@ structlog.configure(
 def chatty(x: int) -> None:
     structlog.get_logger("app").info("structlog inside the job", x=x)
     logging.getLogger("app").info("stdlib inside the job %s", x)
+
+
+def _redis():
+    return forkq.default_client().redis
+
+
+@forkq.job(name="adopt.flaky", retry=5, retry_in=lambda count, exc: 0)
+def flaky(key: str, failures: int) -> None:
+    """Fails its first `failures` runs; each run's start time goes onto the list `key`."""
+    import time
+    runs = _redis().rpush(key, time.time())
+    if runs <= failures:
+        raise RuntimeError(f"run {runs} of {key}")
