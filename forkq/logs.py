@@ -114,6 +114,7 @@ class _Lines:
         # kept here, not in the stream's buffer: PYTHONUNBUFFERED (set in many container
         # images) makes every stream write a syscall
         self.pending: list[str] = []
+        self.failing = False
 
     def start_flusher(self) -> None:
         if self.buffered:
@@ -134,8 +135,18 @@ class _Lines:
     def _write_out(self) -> None:
         text = "\n".join(self.pending) + "\n"
         self.pending.clear()
-        self.stream.write(text)
-        self.stream.flush()
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError) as exc:
+            # A reader that went away (EPIPE) or a full disk: these lines are lost, but
+            # the thread that logged them, a processor in the middle of a job or the
+            # master's loop, must not die of it
+            if not self.failing:
+                self.failing = True
+                _complain(f"forkq: cannot write log lines ({exc}); dropping them until it works again\n")
+        else:
+            self.failing = False
 
     def _flusher(self) -> None:
         while _lines is self:
@@ -144,6 +155,15 @@ class _Lines:
                 self.flush()
             except (OSError, ValueError):  # stdout closed or gone: nothing left to do
                 return
+
+
+def _complain(text: str) -> None:
+    """One line on stderr, if stderr can still take it."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):  # AttributeError: no sys.stderr at all
+        pass
 
 
 class _LineLogger:

@@ -85,3 +85,33 @@ def test_a_retry_due_at_once_runs_at_once_not_at_the_next_scheduled_poll(redis_u
         assert _stop(proc) == 0
     finally:
         _stop(proc)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", [["--processes", "1"], ["--no-fork"]])
+def test_jobs_keep_running_when_stdout_can_no_longer_be_written(mode, redis_url, r, tmp_path):
+    # A log reader that went away (forkq start | tee, a shipper that died) or a full disk:
+    # forkq's next log line raised in whichever thread wrote it. A processor thread died
+    # with it (a job's `fail` line is written at once), the worker went on heartbeating
+    # with no thread left to run jobs, and the master died at its next line.
+    err = tmp_path / "err.log"
+    env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "forkq", "start", "--require",
+                             str(APPS / "adopt_jobs.py"), "--log-format", "json",
+                             "--concurrency", "2", "--pidfile", str(tmp_path / "pid"), *mode],
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=open(err, "w"),
+                            start_new_session=True)
+    try:
+        while b"worker started" not in proc.stdout.readline():
+            assert proc.poll() is None, err.read_text()
+        proc.stdout.close()  # every write to stdout fails from now on (EPIPE)
+        client = forkq.Client(redis_url)
+        client.push_bulk("adopt.fail", [["a"], ["b"], ["c"]], retry=False)
+        client.push_bulk("adopt.record", [["ran", str(i)] for i in range(300)], retry=0)
+        wait_until(lambda: r.llen("ran") == 300, timeout=20,
+                   message=f"all 300 jobs to run; stderr: {err.read_text()[-2000:]}")
+        assert _stop(proc) == 0, err.read_text()[-3000:]
+        assert "Traceback" not in err.read_text()
+        assert not r.keys("forkq:inflight:*")
+    finally:
+        _stop(proc)

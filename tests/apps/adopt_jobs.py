@@ -32,3 +32,20 @@ def flaky(key: str, failures: int) -> None:
     runs = _redis().rpush(key, time.time())
     if runs <= failures:
         raise RuntimeError(f"run {runs} of {key}")
+
+
+@forkq.job(name="adopt.record", retry=0)
+def record(key: str, value: str) -> None:
+    _redis().rpush(key, value)
+
+
+@forkq.job(name="adopt.fail", retry=False)
+def fail(tag: str) -> None:
+    raise RuntimeError(f"failing {tag}")
+
+
+@forkq.job(name="adopt.sleep", retry=0)
+def sleep(key: str, seconds: float) -> None:
+    import time
+    _redis().rpush(key, "started")
+    time.sleep(seconds)
