@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Iterable
 from datetime import datetime
@@ -171,12 +172,26 @@ def job(fn: Callable[..., Any] | None = None, *, queue: str = "default", retry: 
 
     def register(f: Callable[..., Any]) -> Job:
         jname = name or f"{f.__module__}.{f.__qualname__}"
+        _check_runnable(f, jname)
         j = Job(f, jname, queue, retry, backtrace, retry_in, retries_exhausted, client,
                 payload.check_options(options))  # at import, not at the first enqueue
         REGISTRY[jname] = j
         return j
 
     return register(fn) if fn is not None else register
+
+
+def _check_runnable(f: Callable[..., Any], name: str) -> None:
+    # A processor thread calls the function and takes its return as the end of the job:
+    # calling one of these only makes a coroutine or generator, so the body never ran
+    # while the job was logged done, counted and acknowledged.
+    if inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f):
+        raise TypeError(f"@forkq.job {name}: an async def function cannot be a job (forkq calls "
+                        "jobs in threads, and would only create its coroutine, never run it); "
+                        "make it a plain def, which may call asyncio.run(...)")
+    if inspect.isgeneratorfunction(f):
+        raise TypeError(f"@forkq.job {name}: a generator function cannot be a job (calling it "
+                        "runs none of its body); make it a plain def without yield")
 
 
 def lookup(name: str) -> Job | None:
