@@ -198,6 +198,8 @@ class Manager:
         self.waiters = Waiters(self.fetch, connect, self._wake_fetcher, self.health.failed)
         self.quiet_flag = False
         self.hard_stopped = False
+        self.lost_thread = False
+        self.on_lost: Callable[[], None] | None = None  # the worker's stop, after thread_lost
         # set by the heartbeat thread from LLEN forkq:suspects:QUEUE; read by the fetch loop
         self.suspects_waiting = False
         self._suspect: Unit | None = None   # the suspect running alone, while isolating
@@ -247,6 +249,15 @@ class Manager:
             self.hard_stopped = True
             return False
         return True
+
+    def thread_lost(self, index: int) -> None:
+        """A processor thread failed outside any job (called in its except block): this
+        process stops, gracefully, so that its jobs go back and a whole one replaces it."""
+        log.critical("processor thread failed outside any job; stopping this process so that "
+                     "its jobs go back to their queues", thread=index, exc_info=True)
+        self.lost_thread = True
+        if self.on_lost is not None:
+            self.on_lost()
 
     def busy(self) -> int:
         return sum(1 for p in self.processors if p.current is not None)

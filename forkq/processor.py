@@ -84,6 +84,16 @@ class Processor:
         self.thread.start()
 
     def run(self) -> None:
+        try:
+            self._serve()
+        except BaseException:
+            if self.manager.hard_stopped:
+                raise  # cut off by a hard stop: its job goes back with the final requeue
+            # a fault in forkq itself that _fault could not record: a thread that just ended
+            # would leave the process working on with fewer threads, unseen
+            self.manager.thread_lost(self.index)
+
+    def _serve(self) -> None:
         take = self.manager.take
         bell = threading.Lock()
         bell.acquire()  # held while running: whoever has a job for this thread releases it
@@ -91,7 +101,29 @@ class Processor:
             unit = take(bell)
             if unit is None:
                 return
-            self.manager.done(unit.token if self.process(unit) else None)
+            try:  # free in CPython 3.11+ until something raises
+                acked = self.process(unit)
+            except BaseException as exc:
+                if self.manager.hard_stopped:
+                    raise
+                acked = self._fault(unit, exc)
+            self.manager.done(unit.token if acked else None)
+
+    def _fault(self, unit: Unit, exc: BaseException) -> bool:
+        """A fault in forkq's own handling of a job, outside the job's code: record it as
+        that job's failure (retry, with the error, or dead), as a job's own exception is.
+        Back on the head of its queue, a job that trips the fault every time would trip it
+        again at once; left in flight, it would wait there until the process stops."""
+        log.critical("forkq failed handling a job outside the job's code; recording it as "
+                     "the job's failure", queue=unit.queue, exc_info=exc)
+        logs.clear_job()
+        self.current = None
+        job = payload.parse(unit.raw)  # it raised before this, or the fault came after it
+        job["queue"] = unit.queue
+        self.processed += 1
+        self.failed += 1
+        self.manager.write(self.outcomes.failed, job, exc, unit.token, lookup(job["class"]))
+        return False
 
     def process(self, unit: Unit) -> bool:
         """Run one job; True if its in-flight entry still needs the batched ack."""

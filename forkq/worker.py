@@ -86,6 +86,7 @@ class Worker:
                                  s.heartbeat_interval)
         self.scheduler = Scheduler(conn, self.manager.outcomes, s.poll_interval)
         self.manager.outcomes.retry_written = self.scheduler.due_at
+        self.manager.on_lost = lambda: self.command(signal.SIGTERM)
         self.manager.start()
         self.launcher.start()
         self.scheduler.start()
@@ -203,8 +204,10 @@ class Worker:
             # threads still inside job code must not outlive the stop or write outcomes
             logs.flush()
             sys.stdout.flush()
-            os._exit(0)
-        return 0
+            os._exit(1 if self.manager.lost_thread else 0)
+        # not 0 after a lost thread: the master counts this exit as a crash either way,
+        # but under --no-fork a service manager restarts only a failed process
+        return 1 if self.manager.lost_thread else 0
 
     def _requeue_all(self) -> int:
         try:

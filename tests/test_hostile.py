@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from corekit import core_jobs, records, wait_records, workers, zset  # noqa: F401
 from forkq import payload, retry
 from forkq.errors import MalformedPayload
-from helpers import wait_until
+from helpers import json_lines, wait_until
 
 HOSTILE_JOBS = Path(__file__).resolve().parent / "apps" / "hostile_jobs.py"
 RECORD = "tests.apps.core_jobs.record"
@@ -390,3 +390,54 @@ def test_an_exception_whose_str_raises_is_still_recorded(r):
     assert stored["error_message"] == "<str() of _UnprintableError raised RuntimeError>"
     assert payload.decode_backtrace(stored["error_backtrace"]) == []  # never raised: no frames
     assert not r.exists("forkq:inflight:prop")
+
+
+
+APPS = Path(__file__).resolve().parent / "apps"
+
+
+@pytest.mark.timeout(60)
+def test_a_fault_in_forkq_outside_a_job_is_that_jobs_failure_and_the_thread_goes_on(
+        r, redis_url, workers):
+    """A processor thread that raised outside a job's code used to end silently: its job
+    stayed in flight until the process stopped, and the process went on heartbeating with
+    a thread fewer (none, after enough such faults), its queue waiting."""
+    import forkq
+    client = forkq.Client(redis_url)
+    cursed = [core_jobs.record.options(queue="faulty", client=client).enqueue(f"cursed-{i}")
+              for i in range(3)]
+    core_jobs.record.options(client=client).enqueue("after")
+    # one thread and strict order: it must outlive three faults to run the job after them
+    worker = workers(queues=("faulty", "default"), concurrency=1, ready=False,
+                     extra_args=["--require", str(APPS / "faulty_set_job.py")])
+    wait_records(r, 1, worker, kind="record")
+    wait_until(lambda: worker.assert_alive() or r.zcard("retry") == 3, timeout=10,
+               message="the three faulty jobs in retry")
+    entries = [json.loads(raw) for raw in r.zrange("retry", 0, -1)]
+    assert sorted(e["jid"] for e in entries) == sorted(cursed)
+    assert {(e["error_class"], e["error_message"], e["queue"]) for e in entries} == {
+        ("RuntimeError", "a fault in forkq, outside the job", "faulty")}
+    assert not r.hgetall(f"forkq:inflight:{worker.identity}")
+    faults = [line for line in json_lines(worker.log_path) if line.get("level") == "critical"]
+    assert len(faults) == 3 and "a fault in forkq, outside the job" in faults[0].get("exception", "")
+    assert [rec["args"] for rec in records(r, "record")] == [["after"]]
+
+
+@pytest.mark.timeout(60)
+def test_a_fault_in_forkq_it_cannot_pin_on_a_job_stops_the_process_with_its_jobs_back(
+        r, redis_url, workers):
+    """Past a job's end, with nothing to record it against, the thread cannot go on: the
+    process stops gracefully (exit 1, so that a master or service manager replaces it),
+    running jobs finish and nothing is left in flight."""
+    import forkq
+    client = forkq.Client(redis_url)
+    worker = workers(concurrency=3, extra_args=["--require", str(APPS / "faulty_done.py")])
+    core_jobs.sleepy.options(client=client).enqueue(1, "beside")
+    wait_until(lambda: records(r, "start"), timeout=10, message="the sleepy job running")
+    core_jobs.fail.options(client=client).enqueue("tripwire")
+    assert worker.proc.wait(timeout=30) == 1, worker.log_tail()
+    lost = [line for line in json_lines(worker.log_path) if line.get("level") == "critical"]
+    assert len(lost) == 1 and "stopping this process" in lost[0]["event"], lost
+    assert "a fault in forkq, after a failed job" in lost[0].get("exception", "")
+    assert [rec["args"] for rec in records(r, "end")] == [["beside"]]  # it finished
+    assert r.zcard("retry") == 1 and not r.keys("forkq:inflight:*")
