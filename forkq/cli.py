@@ -218,7 +218,27 @@ def _encodes(text: str) -> bool:
     return True
 
 
+def open_standard_fds() -> None:
+    """Put /dev/null on any of descriptors 0-2 that was closed at exec (`forkq start >&-`, a
+    daemonizing wrapper): Python leaves sys.stdout None then, which log setup tripped on
+    with a traceback, and the next file forkq opened (a Redis socket) would take the
+    number, where a job's subprocess writes its output."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDWR)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, mode, closefd=False))
+
+
 def main(argv: list[str] | None = None) -> int:
+    open_standard_fds()
     bad = not_utf8(sys.argv[1:] if argv is None else argv, dict(os.environ))
     if bad:
         sys.stderr.write(f"forkq: {bad}; only file paths may be other bytes\n")

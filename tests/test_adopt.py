@@ -137,3 +137,27 @@ def test_a_function_whose_call_does_not_run_its_body_is_refused_as_a_job(kind):
     with pytest.raises(TypeError, match="cannot be a job"):
         forkq.job(fn)
     assert name not in forkq.jobs.REGISTRY
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", [["--processes", "1"], ["--no-fork"]])
+def test_forkq_starts_and_works_with_stdout_closed(mode, redis_url, r, tmp_path):
+    # `forkq start >&-`, or a wrapper that closed its descriptors: Python left sys.stdout
+    # None, and log set-up ended start with a traceback (AttributeError: isatty)
+    err = tmp_path / "err.log"
+    env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "forkq", "start", "--require",
+                             str(APPS / "adopt_jobs.py"), "--concurrency", "2",
+                             "--pidfile", str(tmp_path / "pid"), *mode],
+                            env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(err, "w"),
+                            preexec_fn=lambda: os.close(1), start_new_session=True)
+    try:
+        forkq.Client(redis_url).push_bulk("adopt.record", [["ran", str(i)] for i in range(50)])
+        wait_until(lambda: proc.poll() is None and r.llen("ran") == 50, timeout=20,
+                   message=f"the 50 jobs to run; stderr: {err.read_text()[-2000:]}")
+        # the descriptor holds /dev/null, not whatever forkq opened next (a Redis socket)
+        assert os.readlink(f"/proc/{proc.pid}/fd/1") == os.devnull
+        assert _stop(proc) == 0, err.read_text()[-3000:]
+        assert "Traceback" not in err.read_text()
+    finally:
+        _stop(proc)
