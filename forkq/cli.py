@@ -8,6 +8,7 @@ import importlib
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from . import __version__, config, logs
@@ -487,14 +488,49 @@ def _start(settings: Settings) -> int:
         from .worker import run_standalone
         logs.configure(settings.log_level, settings.log_format, buffered=True)
         try:
-            return run_standalone(settings)
+            return end_within(EXIT_GRACE_S, run_standalone(settings))
         finally:
             logs.flush()
     from .control import pidfile
     from .supervisor import Supervisor
     try:
         with pidfile(settings.pidfile) as path:
-            return Supervisor(settings, pidfile=path).run()
+            code = Supervisor(settings, pidfile=path).run()
     except ConfigError as exc:
         sys.stderr.write(f"forkq: {exc}\n")
         return 2
+    return end_within(EXIT_GRACE_S, code)
+
+
+# Once the master or a --no-fork worker has stopped, what is left of its exit is the
+# interpreter's: joining non-daemon threads, an executor's workers and multiprocessing
+# children, then atexit handlers. A job (or an app at import) that left one of those
+# running kept the stopped process alive for as long as it ran, with its stop signals
+# already trapped, until systemd or Kubernetes killed it. Enough for an atexit handler
+# to flush (Sentry's default is 2 s); a forked child ends at once (os._exit).
+EXIT_GRACE_S = 2.0
+
+
+def end_within(grace: float, code: int) -> int:
+    """Return `code` for the normal exit, after arranging that the process ends with
+    it `grace` seconds from now even if that exit is still waiting for something the app
+    left running (a daemon thread keeps running while the interpreter waits)."""
+    import threading
+
+    def cut_short() -> None:
+        time.sleep(grace)
+        left = sorted(t.name for t in threading.enumerate()
+                      if t.is_alive() and not t.daemon and t is not threading.main_thread())
+        logs.get("forkq").warning(
+            "the exit is still waiting for threads or processes the app left running; "
+            "ending without them", waited_s=grace, threads=left or None)
+        logs.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    threading.Thread(target=cut_short, name="forkq-exit", daemon=True).start()
+    return code
