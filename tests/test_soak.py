@@ -6,6 +6,7 @@ Real processes, real signals, a real redis-server; waits are deadlines (wait_unt
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -89,3 +90,40 @@ def test_a_master_exits_after_its_stop_though_the_app_runs_a_thread_of_its_own(r
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_each_heartbeat_sends_a_big_running_payload_to_redis_once(redis_url, r):
+    # Every beat rewrites the running jobs under both of Sidekiq's keys (:workers for 6.4,
+    # :work for 6.5+). Built and sent once per key, a job with 4 MB of arguments cost each
+    # beat 8 MB of traffic, and twice the copies in the child's memory.
+    size = 4 << 20
+    log = Path(tempfile.mkdtemp(prefix="forkq-soak-")) / "worker.log"
+    with ForkqWorker(redis_url, APP, concurrency=1, log_path=log,
+                     extra_args=["--timeout", "1", "--heartbeat-interval", "0.3"]) as worker:
+        identity = wait_until(lambda: worker.assert_alive() or next(iter(r.smembers("processes")), None),
+                              timeout=15, message="the worker's heartbeat").decode()
+        forkq.Client(redis_url).push("soak.hold", ["x" * size, 30])
+        workers, work = f"{identity}:workers", f"{identity}:work"
+        wait_until(lambda: worker.assert_alive() or r.exists(workers, work) == 2, timeout=15,
+                   message="the running job in the heartbeat")
+
+        def beats(n: int) -> tuple[int, int]:
+            """Bytes Redis received over the next n beats, and that many beats' worth."""
+            def next_beat(after: bytes) -> bytes | None:
+                worker.assert_alive()
+                beat = r.hget(identity, "beat")
+                return beat if beat != after else None
+            last = wait_until(lambda: next_beat(b""), timeout=5)
+            start = r.info("stats")["total_net_input_bytes"]
+            for _ in range(n):
+                last = wait_until(lambda: next_beat(last), timeout=5, message="the next beat")
+            return r.info("stats")["total_net_input_bytes"] - start, n
+
+        received, n = beats(4)
+        assert received / n < 1.5 * size, f"{received / n / size:.2f} payloads sent per beat"
+        # what Sidekiq's readers see is unchanged: the same entry, with an expiry, under both
+        (entry,) = r.hvals(workers)
+        assert r.hgetall(workers) == r.hgetall(work)
+        assert len(json.loads(json.loads(entry)["payload"])["args"][0]) == size
+        assert 0 < r.ttl(workers) <= 60 and 0 < r.ttl(work) <= 60

@@ -43,3 +43,9 @@ def leave_running(what, seconds):
         client.rpush(LEFT, what)
     finally:
         client.close()
+
+
+@forkq.job(name="soak.hold", retry=0)
+def hold(blob, seconds):
+    """Run `seconds` with a payload as big as `blob`."""
+    time.sleep(seconds)
