@@ -15,6 +15,7 @@ suspects that ran to their end.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ from typing import Any, NamedTuple
 
 import redis
 from redis.backoff import NoBackoff
+from redis.connection import AbstractConnection
 from redis.retry import Retry
 
 from . import keys, logs, scripts, wire
@@ -409,6 +411,7 @@ class Waiters:
         self._quiet = False
         self._paused = False
         self._client_ids: dict[str, int | None] = {}
+        self._ids_refused = False  # CLIENT ID refused (an ACL without CLIENT): ask no more
         self._threads = [threading.Thread(target=self._run, args=(q,), name=f"forkq-wait-{q}",
                                           daemon=True) for q in fetch.order.names]
 
@@ -456,6 +459,30 @@ class Waiters:
                 except Exception:
                     pass  # Redis unreachable: the wait ends at its socket timeout instead
 
+    def _learn_id(self, queue: str, connection: AbstractConnection) -> None:
+        """Run as the waiter's connection (re)connects: its id, for _unblock.
+
+        Asked on each connect because redis-py's pool silently replaces a connection the
+        server closed while it sat idle (its `timeout` setting, a restart): an id asked
+        once would then name a connection that is gone, and a stop would wait out the
+        BLMOVE's timeout. One connection per waiter thread: this id is the one BLMOVE
+        blocks on."""
+        connection.on_connect()
+        self._client_ids[queue] = None
+        if self._ids_refused:
+            return
+        try:
+            connection.send_command("CLIENT", "ID")
+            self._client_ids[queue] = int(connection.read_response())
+        except redis.ResponseError as exc:
+            # An ACL user without CLIENT, or CLIENT renamed away: block without an id.
+            # Raised, it kept the waiter from ever blocking, so an idle worker never
+            # saw a new job; the cost is a stop that waits up to block_timeout.
+            self._ids_refused = True
+            log.warning("CLIENT ID refused: blocking waits are not ended early, so quiet and "
+                        "stop wait up to the block timeout for them", error=str(exc),
+                        block_timeout_s=self._fetch.block_timeout)
+
     def _run(self, queue: str) -> None:
         conn = self._connect()
         # No resend: redis-py sends a command again on a broken connection, and a BLMOVE
@@ -463,14 +490,13 @@ class Waiters:
         # and returns nothing, and the landing list it filled goes unnoticed. An error
         # instead reaches wait_for, which has the fetcher drain that list.
         conn.set_retry(Retry(NoBackoff(), 0))
+        conn.connection_pool.connection_kwargs["redis_connect_func"] = functools.partial(
+            self._learn_id, queue)
         while True:
             self._armed.wait()
             if self._stopping:
                 return
             try:
-                if self._client_ids.get(queue) is None:
-                    # one connection per waiter thread: this id is the one BLMOVE blocks on
-                    self._client_ids[queue] = conn.client_id()
                 if self._stopping or self._quiet or self._paused:
                     continue
                 if self._fetch.wait_for(queue, conn):
