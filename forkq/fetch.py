@@ -54,12 +54,15 @@ def pid_namespace() -> str | None:
 # noeviction (OOM), an RDB save that failed (MISCONF), too few replicas for
 # min-replicas-to-write (NOREPLICAS), a replica (READONLY) or one cut off from its primary
 # (MASTERDOWN). Each passes once memory is freed, the disk or replica is back, or a failover
-# ends; a write that met one is worth trying again, as after an outage.
-_REFUSALS = ("MISCONF ", "NOREPLICAS ")
+# ends; a write that met one is worth trying again, as after an outage. So does BUSY, which
+# Redis answers to every command, reads too, while someone's script or function runs past
+# busy-reply-threshold (until it ends or SCRIPT KILL): the command did not run.
+_REFUSALS = ("MISCONF ", "NOREPLICAS ", "BUSY ")
 
 
 def writes_refused(exc: BaseException) -> bool:
-    """Whether `exc` is Redis refusing writes for a state that passes (see _REFUSALS)."""
+    """Whether `exc` is Redis refusing writes (or, BUSY, every command) for a state that
+    passes (see _REFUSALS)."""
     if isinstance(exc, (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
                         redis.exceptions.MasterDownError)):
         return True
@@ -492,6 +495,7 @@ class Waiters:
         conn.set_retry(Retry(NoBackoff(), 0))
         conn.connection_pool.connection_kwargs["redis_connect_func"] = functools.partial(
             self._learn_id, queue)
+        refused = False
         while True:
             self._armed.wait()
             if self._stopping:
@@ -513,8 +517,13 @@ class Waiters:
                 self._wake()  # the fetcher drains a landing list the lost reply left filled
             except Exception as exc:
                 # OOM, READONLY after a failover...: a waiter that died here would leave
-                # its queue unwatched for good, so the idle worker never saw new jobs
-                log.warning("blocking wait failed; retrying", queue=queue, error=str(exc))
+                # its queue unwatched for good, so the idle worker never saw new jobs.
+                # A refusal (BUSY for a script's whole run) is one line, not one a second.
+                if not (refused and writes_refused(exc)):
+                    log.warning("blocking wait failed; retrying", queue=queue, error=str(exc))
+                refused = writes_refused(exc)
                 time.sleep(1.0)
+            else:
+                refused = False
             if self._stopping:
                 return

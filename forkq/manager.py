@@ -302,7 +302,7 @@ class Manager:
                 self._fetcher_leads = True
                 if isinstance(exc, REDIS_ERRORS):
                     self.health.failed(exc)
-                else:
+                elif not writes_refused(exc):  # the fetcher's back-off logs those, once a minute
                     log.exception("fetch failed")
                 self._wake.set()
                 return _NOTHING
@@ -492,6 +492,7 @@ class Manager:
         """Quiet lasts until the stop (a preStop hook, then TERM), and no claim carries
         acks meanwhile: send them as jobs finish, or a process SIGKILLed after its grace
         period would run again every job that ended after it went quiet."""
+        refused = False
         while not self._stopping:
             self._wake.clear()
             self._sleep(lambda: self._stopping or self.fetch.pending_acks() > 0, watch_idle=True)
@@ -503,11 +504,17 @@ class Manager:
                 # kept for the next try; the final requeue flushes what is left
                 if isinstance(exc, REDIS_ERRORS):
                     self.health.failed(exc)
+                elif writes_refused(exc):
+                    if not refused:  # one line as it starts, not a traceback a second
+                        log.error("could not send acks while quiet: Redis refuses writes; "
+                                  "trying again", error=str(exc))
                 else:
                     log.exception("could not send acks while quiet")
+                refused = writes_refused(exc)
                 self._wake.clear()
                 self._wake.wait(1.0)  # done() does not set it now: a pause, unless stop()
             else:
+                refused = False
                 self.health.ok()
 
     def _back_off(self, exc: Exception, delay: float, what: str) -> float:

@@ -11,6 +11,7 @@ from typing import Any
 import redis
 
 from . import keys, logs, payload, scripts
+from .fetch import writes_refused
 from .retry import MALFORMED_QUEUE, Outcomes, dead_entry_for_malformed
 
 log = logs.get("forkq.scheduler")
@@ -67,6 +68,7 @@ class Scheduler:
     def _run(self) -> None:
         first = self.first_wait if self.first_wait is not None else min(self.average, 1.0) * random.random()
         self._sleep(first)
+        refused = False
         while not self._stop.is_set():
             with self._bell:
                 self._due = math.inf  # this poll sees what came before; it may miss what comes after
@@ -75,9 +77,15 @@ class Scheduler:
                 wait = self._next_wait()
             except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
                 wait = self.average  # the fetcher reports the outage; just try later
-            except Exception:
-                log.exception("scheduled-set poll failed")
+            except Exception as exc:
+                if not writes_refused(exc):
+                    log.exception("scheduled-set poll failed")
+                elif not refused:  # one line as the refusal starts, not a traceback a poll
+                    log.error("scheduled-set poll refused by Redis; trying again", error=str(exc))
+                refused = writes_refused(exc)
                 wait = self.average
+            else:
+                refused = False
             self._sleep(wait)
 
     def poll(self, now: float | None = None) -> int:

@@ -27,7 +27,7 @@ import redis
 import setproctitle
 
 from . import client, control, hooks, logs, orphans, systemd
-from .fetch import requeue_owner_counts
+from .fetch import requeue_owner_counts, writes_refused
 from .metrics import MetricsServer
 from .settings import STOP_GRACE_S, STOP_PATIENCE_S, Settings
 
@@ -348,10 +348,17 @@ class Supervisor:
                 requeued, poisoned, suspects = requeue_owner_counts(
                     self.redis, identity, [q for q, _ in self.settings.queues],
                     crashed=crashed and self.state != "stopping", poison_after=self.settings.poison_after)
-            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError,
+                    redis.ResponseError) as exc:
+                # A refusal that passes (BUSY while someone's script runs, a full Redis) is
+                # waited out as an outage is: raised, it ended the master, and every child
+                # with it, at the first child death or stop that met one
+                if isinstance(exc, redis.ResponseError) and not writes_refused(exc):
+                    raise
                 if not final:
                     self._requeue_retry_at = time.monotonic() + 5.0
-                    log.warning("cannot requeue a dead child's jobs yet: Redis unreachable", error=str(exc))
+                    why = "refuses writes" if writes_refused(exc) else "unreachable"
+                    log.warning(f"cannot requeue a dead child's jobs yet: Redis {why}", error=str(exc))
                     return done
                 if time.monotonic() >= give_up:
                     break
@@ -367,8 +374,8 @@ class Supervisor:
                 log.warning("requeued a child's in-flight jobs", identity=identity,
                             requeued=requeued, poisoned=poisoned, suspects=suspects)
         if final and self.pending_requeue:
-            log.error("Redis unreachable: these children's jobs stay in their private lists for "
-                      "orphan recovery", identities=[i for i, _ in self.pending_requeue])
+            log.error("Redis unreachable or refusing writes: these children's jobs stay in their "
+                      "private lists for orphan recovery", identities=[i for i, _ in self.pending_requeue])
         return done
 
     def sweep_orphans(self, boot: bool = False) -> None:
@@ -397,7 +404,12 @@ class Supervisor:
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
             self._redis_ok_since = None
             return
-        except Exception:
+        except Exception as exc:
+            if writes_refused(exc):
+                # BUSY on a read past the lock: nobody can beat now either, so heartbeats
+                # count again only once Redis has answered for a while, as after an outage
+                self._redis_ok_since = None
+                return
             log.exception("orphan sweep failed")
             return
         if found is None:

@@ -9,16 +9,19 @@ stayed in a private structure.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
+import redis
 
 import forkq
 from forkq import keys
@@ -28,15 +31,17 @@ from helpers import json_lines, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "tests" / "apps" / "chaos_jobs.py"
+OPS_APP = REPO / "tests" / "apps" / "redisops_jobs.py"
 
 
-def _start(url: str, tmp: Path, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, FORKQ_REDIS_URL=url, PYTHONPATH=str(REPO))
+def _start(url: str, tmp: Path, *args: str, app: Path = APP, queue: str = "chaos",
+           concurrency: int = 5, log: str = "log", env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = dict(os.environ, FORKQ_REDIS_URL=url, PYTHONPATH=str(REPO), **(env or {}))
     return subprocess.Popen(
-        [sys.executable, "-m", "forkq", "start", "--require", str(APP), "--queue", "chaos",
-         "--processes", "2", "--concurrency", "5", "--heartbeat-interval", "0.5",
-         "--log-format", "json", "--pidfile", str(tmp / "pid"), *args],
-        env=env, cwd=REPO, stdout=open(tmp / "log", "w"), stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "forkq", "start", "--require", str(app), "--queue", queue,
+         "--processes", "2", "--concurrency", str(concurrency), "--heartbeat-interval", "0.5",
+         "--log-format", "json", "--pidfile", str(tmp / f"{log}.pid"), *args],
+        env=env, cwd=REPO, stdout=open(tmp / log, "w"), stderr=subprocess.STDOUT,
         start_new_session=True)
 
 
@@ -60,8 +65,55 @@ def _private(r) -> list[bytes]:
     return [k for pat in ("forkq:inflight:*", "forkq:landing:*") for k in r.scan_iter(pat)]
 
 
-def _events(tmp: Path, text: str) -> list[dict]:
-    return [e for e in json_lines(tmp / "log") if text in (e.get("event") or "")]
+def _events(tmp: Path, text: str, log: str = "log") -> list[dict]:
+    return [e for e in json_lines(tmp / log) if text in (e.get("event") or "")]
+
+
+def _tracebacks(tmp: Path, log: str = "log") -> list[str]:
+    """Tracebacks in a log: logged with an exception, or printed by a process that died."""
+    lines = (tmp / log).read_text().splitlines()
+    return ([e["event"] for e in json_lines(tmp / log) if "exception" in e]
+            + [line for line in lines if line.startswith("Traceback")])
+
+
+@contextlib.contextmanager
+def _busy(server) -> Iterator[None]:
+    """Someone's long script: Redis answers BUSY to every other command (after 100 ms, not
+    the default 5 s) until SCRIPT KILL ends it on the way out."""
+    admin = server.client()
+    admin.config_set("lua-time-limit", 100)
+    looping = server.client(socket_timeout=120)
+
+    def run() -> None:
+        with contextlib.suppress(redis.ResponseError):  # "Script killed by user"
+            looping.eval("local stop = tonumber(redis.call('TIME')[1]) + 100 "
+                         "while tonumber(redis.call('TIME')[1]) < stop do end return 1", 0)
+
+    def answers_busy() -> bool:
+        try:
+            admin.ping()
+        except redis.ResponseError as exc:
+            return str(exc).startswith("BUSY ")
+        return False
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        wait_until(answers_busy, timeout=10, message="Redis answering BUSY")
+        yield
+    finally:
+        wait_until(lambda: _script_killed(admin), timeout=10, message="the script killed")
+        thread.join(10)
+        admin.close()
+        looping.close()
+
+
+def _script_killed(admin) -> bool:
+    try:
+        admin.script_kill()
+    except redis.ResponseError as exc:
+        return str(exc).startswith("NOTBUSY")
+    return False
 
 
 def _acl_user(r, *rules: str) -> None:
@@ -129,3 +181,81 @@ def test_a_stop_ends_a_blocking_wait_whose_connection_the_server_timed_out(own_r
         admin.config_set("timeout", 0)
         waiters.stop(2)
         admin.close()
+
+
+def _held_jobs(own_redis, r, tmp: Path, n: int) -> subprocess.Popen:
+    """A master with two children holding `n` ops.hold jobs in flight (they wait on ops:hold,
+    kept in `r`, the shared server, out of reach of what is done to own_redis)."""
+    r.set("ops:hold", 1)
+    master = _start(own_redis.url, tmp, "--timeout", "0.5", app=OPS_APP, queue="ops",
+                    concurrency=2, env={"OPS_RECORD_URL": _url(r)})
+    conn = own_redis.client()
+    wait_until(lambda: conn.hlen(keys.OWNERS) == 2, timeout=20, message="children registered")
+    forkq.Client(own_redis.url).push_bulk("ops.hold", [[i] for i in range(n)], queue="ops")
+    wait_until(lambda: sum(conn.hlen(keys.inflight(o.decode())) for o in conn.hkeys(keys.OWNERS)) == n,
+               timeout=20, message="every job in flight")
+    conn.close()
+    return master
+
+
+def _url(r) -> str:
+    kw = r.connection_pool.connection_kwargs
+    return f"redis://{kw['host']}:{kw['port']}/0"
+
+
+def _held_runs(r) -> Counter:
+    return Counter(int(v) for v in r.hvals("ops:runs"))
+
+
+@pytest.mark.timeout(90)
+def test_a_stop_while_redis_answers_busy_exits_0_and_loses_nothing(own_redis, r, tmp_path):
+    """Someone's script running past busy-reply-threshold: Redis answers BUSY to everything.
+    A stop then raised out of the children's final requeue (a traceback, exit 1) and out of
+    the master's requeue of its children (exit 1, the other children left running on their
+    own). Now each write it cannot make is one line, the master exits 0, and the jobs stay
+    in the children's private hashes, where the next forkq recovers them."""
+    master = _held_jobs(own_redis, r, tmp_path, 4)
+    try:
+        with _busy(own_redis):
+            master.send_signal(signal.SIGTERM)
+            assert master.wait(40) == 0
+        assert _tracebacks(tmp_path) == []
+        assert _events(tmp_path, "Redis refuses writes at stop")
+        # the next forkq on this host recovers the stopped one's jobs at boot
+        r.delete("ops:hold")
+        again = _start(own_redis.url, tmp_path, app=OPS_APP, queue="ops", log="log2",
+                       env={"OPS_RECORD_URL": _url(r)})
+        try:
+            wait_until(lambda: len(_held_runs(r)) == 4, timeout=30, message="every job ran")
+            assert _stop(again) == 0
+        finally:
+            _stop(again)
+    finally:
+        _stop(master)
+    assert set(_held_runs(r).values()) == {1}
+    conn = own_redis.client()
+    assert _private(conn) == [] and conn.llen("queue:ops") == 0 and conn.hlen(keys.OWNERS) == 0
+
+
+@pytest.mark.timeout(90)
+def test_a_child_dying_while_redis_answers_busy_leaves_the_master_running(own_redis, r, tmp_path):
+    """The master's requeue of a dead child's jobs met BUSY and raised out of its loop: the
+    master died with a traceback and took every other child down with it."""
+    master = _held_jobs(own_redis, r, tmp_path, 4)
+    try:
+        children = [c.pid for c in psutil.Process(master.pid).children()]
+        with _busy(own_redis):
+            os.kill(children[0], signal.SIGKILL)
+            wait_until(lambda: _events(tmp_path, "cannot requeue a dead child's jobs yet"), timeout=10,
+                       message="the master waiting to requeue")
+            assert master.poll() is None
+        r.delete("ops:hold")
+        wait_until(lambda: len(_held_runs(r)) == 4, timeout=30, message="every job ran")
+        assert master.poll() is None
+        assert _stop(master) == 0
+    finally:
+        _stop(master)
+    assert set(_held_runs(r).values()) == {1}
+    assert _tracebacks(tmp_path) == []
+    conn = own_redis.client()
+    assert _private(conn) == [] and conn.llen("queue:ops") == 0
