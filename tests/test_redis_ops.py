@@ -27,7 +27,7 @@ import forkq
 from forkq import keys
 from forkq.fetch import ReliableFetch, Waiters
 from forkq.queues import QueueOrder
-from helpers import json_lines, wait_until
+from helpers import RedisServer, json_lines, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "tests" / "apps" / "chaos_jobs.py"
@@ -259,3 +259,35 @@ def test_a_child_dying_while_redis_answers_busy_leaves_the_master_running(own_re
     assert _tracebacks(tmp_path) == []
     conn = own_redis.client()
     assert _private(conn) == [] and conn.llen("queue:ops") == 0
+
+
+class _NoScriptCommand(RedisServer):
+    """A redis-server with SCRIPT renamed away, as some hardened setups have it: EVAL and
+    EVALSHA work, SCRIPT LOAD does not."""
+
+    def _command(self):
+        return super()._command() + ["--rename-command", "SCRIPT", ""]
+
+
+@pytest.mark.timeout(90)
+def test_scripts_run_on_a_redis_without_the_script_command(tmp_path):
+    """NOSCRIPT was answered with SCRIPT LOAD (redis-py's Script), which such a Redis
+    refuses: every failed job stayed in the retry set for good, the scheduler logging a
+    traceback each poll. Only the claim, which sends the body with EVAL, worked."""
+    with _NoScriptCommand() as server:
+        conn = server.client()
+        master = _start(server.url, tmp_path, "--poll-interval", "0.2")
+        try:
+            n = 200
+            # every other job fails once: back through the retry set and move_due.lua
+            forkq.Client(server.url).push_bulk("chaos.record", [[i, i % 2 == 0] for i in range(n)],
+                                               queue="chaos")
+            conn.lpush("queue:chaos", b"not a job")  # to dead through to_dead.lua
+            wait_until(lambda: len(_runs(conn)) == n, timeout=40, message="every job ran")
+            wait_until(lambda: conn.zcard("dead") == 1, timeout=10, message="the garbage in dead")
+            assert _stop(master) == 0
+        finally:
+            _stop(master)
+        assert set(_runs(conn).values()) == {1}
+        assert _private(conn) == [] and conn.zcard("retry") == 0 and conn.llen("queue:chaos") == 0
+        assert _tracebacks(tmp_path) == []
