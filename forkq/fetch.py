@@ -56,15 +56,17 @@ def pid_namespace() -> str | None:
 # (MASTERDOWN). Each passes once memory is freed, the disk or replica is back, or a failover
 # ends; a write that met one is worth trying again, as after an outage. So does BUSY, which
 # Redis answers to every command, reads too, while someone's script or function runs past
-# busy-reply-threshold (until it ends or SCRIPT KILL): the command did not run.
+# busy-reply-threshold (until it ends or SCRIPT KILL): the command did not run. And NOPERM,
+# an ACL user short of a command forkq needs, which lasts until the ACL is fixed, and then
+# forkq carries on: as a traceback each try it flooded the log and failed every stop.
 _REFUSALS = ("MISCONF ", "NOREPLICAS ", "BUSY ")
 
 
 def writes_refused(exc: BaseException) -> bool:
-    """Whether `exc` is Redis refusing writes (or, BUSY, every command) for a state that
-    passes (see _REFUSALS)."""
+    """Whether `exc` is Redis refusing writes (or, BUSY and NOPERM, a command) for a state
+    that passes (see _REFUSALS)."""
     if isinstance(exc, (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
-                        redis.exceptions.MasterDownError)):
+                        redis.exceptions.MasterDownError, redis.exceptions.NoPermissionError)):
         return True
     # redis-py has no classes for these: their code heads the message, after what a
     # pipeline puts in front ("Command # 1 (HSET ...) of pipeline caused error: ")

@@ -291,3 +291,32 @@ def test_scripts_run_on_a_redis_without_the_script_command(tmp_path):
         assert set(_runs(conn).values()) == {1}
         assert _private(conn) == [] and conn.zcard("retry") == 0 and conn.llen("queue:chaos") == 0
         assert _tracebacks(tmp_path) == []
+
+
+def _denied(conn, command: str) -> int:
+    return sum(int(e["count"]) for e in conn.acl_log() if e["object"] == command)
+
+
+@pytest.mark.timeout(90)
+def test_an_acl_user_without_evalsha_gets_one_line_and_runs_the_jobs_once_it_is_fixed(own_redis, tmp_path):
+    """NOPERM for the claim was a traceback every back-off (2 s) in each child, and at a stop
+    the final requeue raised too: the children died with a traceback and the master exited
+    1. Now it is one line per child, as for a Redis refusing writes, and once the ACL is
+    fixed the jobs run, each once."""
+    r = own_redis.client()
+    _acl_user(r, "+@all", "-evalsha")
+    master = _start(f"redis://fq:pw@127.0.0.1:{own_redis.port}/0", tmp_path)
+    try:
+        n = 100
+        forkq.Client(own_redis.url).push_bulk("chaos.record", [[i, False] for i in range(n)],
+                                              queue="chaos")
+        wait_until(lambda: _denied(r, "evalsha") >= 8, timeout=30, message="claims refused, again and again")
+        assert len(_events(tmp_path, "fetch failed")) == 2  # one line per child
+        r.acl_setuser("fq", enabled=True, commands=["+evalsha"])
+        wait_until(lambda: len(_runs(r)) == n, timeout=30, message="every job ran once allowed to")
+        assert _stop(master) == 0
+    finally:
+        _stop(master)
+    assert set(_runs(r).values()) == {1}
+    assert _private(r) == [] and r.llen("queue:chaos") == 0
+    assert _tracebacks(tmp_path) == []
