@@ -190,11 +190,16 @@ def _held_jobs(own_redis, r, tmp: Path, n: int) -> subprocess.Popen:
     master = _start(own_redis.url, tmp, "--timeout", "0.5", app=OPS_APP, queue="ops",
                     concurrency=2, env={"OPS_RECORD_URL": _url(r)})
     conn = own_redis.client()
-    wait_until(lambda: conn.hlen(keys.OWNERS) == 2, timeout=20, message="children registered")
-    forkq.Client(own_redis.url).push_bulk("ops.hold", [[i] for i in range(n)], queue="ops")
-    wait_until(lambda: sum(conn.hlen(keys.inflight(o.decode())) for o in conn.hkeys(keys.OWNERS)) == n,
-               timeout=20, message="every job in flight")
-    conn.close()
+    try:
+        wait_until(lambda: conn.hlen(keys.OWNERS) == 2, timeout=20, message="children registered")
+        forkq.Client(own_redis.url).push_bulk("ops.hold", [[i] for i in range(n)], queue="ops")
+        wait_until(lambda: sum(conn.hlen(keys.inflight(o.decode())) for o in conn.hkeys(keys.OWNERS)) == n,
+                   timeout=20, message="every job in flight")
+    except BaseException:
+        _stop(master)  # the caller never gets it to stop
+        raise
+    finally:
+        conn.close()
     return master
 
 
