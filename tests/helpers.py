@@ -51,6 +51,19 @@ def wait_until(predicate, timeout=10.0, interval=0.01, message=""):
         time.sleep(interval)
 
 
+def stop_gracefully(proc: subprocess.Popen, timeout: float = 40) -> int:
+    """SIGTERM a forkq started in its own session and return its exit code; past `timeout`
+    seconds, SIGKILL its whole process group (the code is then -9)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
 def json_lines(path) -> list[dict]:
     """The JSON lines of a log file (`--log-format json`), skipping any other line."""
     out = []

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import forkq
-from helpers import json_lines, wait_until
+from helpers import json_lines, stop_gracefully, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 APPS = REPO / "tests" / "apps"
@@ -25,17 +24,6 @@ def _start(url: str, app: Path, out: Path, err: Path, *extra: str) -> subprocess
                              "--log-format", "json", *extra],
                             env=env, cwd=REPO, stdout=open(out, "w"), stderr=open(err, "w"),
                             start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _event(path: Path, event: str) -> dict | None:
@@ -58,14 +46,14 @@ def test_an_app_that_configures_structlog_at_import_keeps_forkqs_lines_in_the_ma
         assert line["jid"] == jid and line["class"] == "adopt.chatty" and line["slot"] == 0
         # the app's stdlib logging still goes where the app sent it
         wait_until(lambda: "APP app stdlib inside the job 7" in err.read_text(), timeout=10)
-        assert _stop(proc) == 0
+        assert stop_gracefully(proc, 30) == 0
         for event in ("master started", "child started", "master stopped"):
             master = _event(out, event)
             assert master is not None, f"{event!r} not in forkq's output: {err.read_text()[-2000:]}"
             assert master["pid"] == proc.pid and master["level"] == "info" and "timestamp" in master
         assert all(x.get("event") != "master started" for x in json_lines(err))
     finally:
-        _stop(proc)
+        stop_gracefully(proc, 30)
 
 
 @pytest.mark.timeout(60)
@@ -82,9 +70,9 @@ def test_a_retry_due_at_once_runs_at_once_not_at_the_next_scheduled_poll(redis_u
                           timeout=20, message="three runs of the job")
         started = [float(x) for x in runs]
         assert started[2] - started[0] < 5, started
-        assert _stop(proc) == 0
+        assert stop_gracefully(proc, 30) == 0
     finally:
-        _stop(proc)
+        stop_gracefully(proc, 30)
 
 
 @pytest.mark.timeout(60)
@@ -110,11 +98,11 @@ def test_jobs_keep_running_when_stdout_can_no_longer_be_written(mode, redis_url,
         client.push_bulk("adopt.record", [["ran", str(i)] for i in range(300)], retry=0)
         wait_until(lambda: r.llen("ran") == 300, timeout=20,
                    message=f"all 300 jobs to run; stderr: {err.read_text()[-2000:]}")
-        assert _stop(proc) == 0, err.read_text()[-3000:]
+        assert stop_gracefully(proc, 30) == 0, err.read_text()[-3000:]
         assert "Traceback" not in err.read_text()
         assert not r.keys("forkq:inflight:*")
     finally:
-        _stop(proc)
+        stop_gracefully(proc, 30)
 
 
 @pytest.mark.timeout(10)
@@ -157,7 +145,7 @@ def test_forkq_starts_and_works_with_stdout_closed(mode, redis_url, r, tmp_path)
                    message=f"the 50 jobs to run; stderr: {err.read_text()[-2000:]}")
         # the descriptor holds /dev/null, not whatever forkq opened next (a Redis socket)
         assert os.readlink(f"/proc/{proc.pid}/fd/1") == os.devnull
-        assert _stop(proc) == 0, err.read_text()[-3000:]
+        assert stop_gracefully(proc, 30) == 0, err.read_text()[-3000:]
         assert "Traceback" not in err.read_text()
     finally:
-        _stop(proc)
+        stop_gracefully(proc, 30)

@@ -17,7 +17,7 @@ import pytest
 import forkq
 from forkq import keys
 from forkq.settings import STOP_GRACE_S
-from helpers import json_lines, wait_until
+from helpers import json_lines, stop_gracefully, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "tests" / "apps" / "chaos_jobs.py"
@@ -39,17 +39,6 @@ def _ran(r) -> set[int]:
 
 def _private(r) -> list[bytes]:
     return [k for pat in ("forkq:inflight:*", "forkq:landing:*") for k in r.scan_iter(pat)]
-
-
-def _stop(master: subprocess.Popen) -> int:
-    if master.poll() is None:
-        master.send_signal(signal.SIGTERM)
-        try:
-            return master.wait(40)
-        except subprocess.TimeoutExpired:
-            os.killpg(master.pid, signal.SIGKILL)
-            master.wait()
-    return master.returncode
 
 
 @pytest.mark.timeout(120)
@@ -74,10 +63,10 @@ def test_master_and_children_ride_through_redis_not_answering_for_10s(own_redis,
                                 if float(r.hget(m, "beat") or 0) > stalled_at + 10]) >= 2,
                    timeout=15, message="both children heartbeat again", interval=0.1)
         assert beats
-        assert _stop(master) == 0
+        assert stop_gracefully(master) == 0
         assert _private(r) == [] and r.llen("queue:chaos") == 0
     finally:
-        _stop(master)
+        stop_gracefully(master)
 
 
 @pytest.mark.timeout(120)
@@ -111,11 +100,11 @@ def test_connections_cut_mid_command_lose_nothing(own_redis, tmp_path):
             cutter.join()
         assert master.poll() is None
         wait_until(lambda: _ran(r) == set(range(n)), timeout=60, message="every job ran")
-        assert _stop(master) == 0
+        assert stop_gracefully(master) == 0
         assert _private(r) == [] and r.llen("queue:chaos") == 0 and r.llen("forkq:suspects:chaos") == 0
     finally:
         stop.set()
-        _stop(master)
+        stop_gracefully(master)
 
 
 @pytest.mark.timeout(60)
@@ -132,7 +121,7 @@ def test_boot_warns_when_redis_may_evict_jobs(own_redis, tmp_path):
         wait_until(lambda: own_redis.client().scard("processes") == 2, timeout=20,
                    message="children up")
     finally:
-        assert _stop(master) == 0
+        assert stop_gracefully(master) == 0
 
 
 STOP_TIMEOUT = 0.5  # --timeout of the stop tests: their 30 s jobs are cut off either way

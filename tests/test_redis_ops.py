@@ -27,7 +27,7 @@ import forkq
 from forkq import keys
 from forkq.fetch import ReliableFetch, Waiters
 from forkq.queues import QueueOrder
-from helpers import RedisServer, json_lines, wait_until
+from helpers import RedisServer, json_lines, stop_gracefully, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "tests" / "apps" / "chaos_jobs.py"
@@ -43,17 +43,6 @@ def _start(url: str, tmp: Path, *args: str, app: Path = APP, queue: str = "chaos
          "--log-format", "json", "--pidfile", str(tmp / f"{log}.pid"), *args],
         env=env, cwd=REPO, stdout=open(tmp / log, "w"), stderr=subprocess.STDOUT,
         start_new_session=True)
-
-
-def _stop(master: subprocess.Popen) -> int:
-    if master.poll() is None:
-        master.send_signal(signal.SIGTERM)
-        try:
-            return master.wait(40)
-        except subprocess.TimeoutExpired:
-            os.killpg(master.pid, signal.SIGKILL)
-            master.wait()
-    return master.returncode
 
 
 def _runs(r) -> Counter:
@@ -138,9 +127,9 @@ def test_an_acl_user_without_client_still_runs_every_job_once(own_redis, tmp_pat
         forkq.Client(own_redis.url).push_bulk("chaos.record", [[i, i % 10 == 0] for i in range(n)],
                                               queue="chaos")
         wait_until(lambda: len(_runs(r)) == n, timeout=30, message="every job ran")
-        assert _stop(master) == 0
+        assert stop_gracefully(master) == 0
     finally:
-        _stop(master)
+        stop_gracefully(master)
     assert set(_runs(r).values()) == {1}
     assert _private(r) == [] and r.llen("queue:chaos") == 0 and r.zcard("retry") == 0
     assert len(_events(tmp_path, "CLIENT ID refused")) == 2  # a line per child, not a second
@@ -196,7 +185,7 @@ def _held_jobs(own_redis, r, tmp: Path, n: int) -> subprocess.Popen:
         wait_until(lambda: sum(conn.hlen(keys.inflight(o.decode())) for o in conn.hkeys(keys.OWNERS)) == n,
                    timeout=20, message="every job in flight")
     except BaseException:
-        _stop(master)  # the caller never gets it to stop
+        stop_gracefully(master)  # the caller never gets it to stop
         raise
     finally:
         conn.close()
@@ -232,11 +221,11 @@ def test_a_stop_while_redis_answers_busy_exits_0_and_loses_nothing(own_redis, r,
                        env={"OPS_RECORD_URL": _url(r)})
         try:
             wait_until(lambda: len(_held_runs(r)) == 4, timeout=30, message="every job ran")
-            assert _stop(again) == 0
+            assert stop_gracefully(again) == 0
         finally:
-            _stop(again)
+            stop_gracefully(again)
     finally:
-        _stop(master)
+        stop_gracefully(master)
     assert set(_held_runs(r).values()) == {1}
     conn = own_redis.client()
     assert _private(conn) == [] and conn.llen("queue:ops") == 0 and conn.hlen(keys.OWNERS) == 0
@@ -257,9 +246,9 @@ def test_a_child_dying_while_redis_answers_busy_leaves_the_master_running(own_re
         r.delete("ops:hold")
         wait_until(lambda: len(_held_runs(r)) == 4, timeout=30, message="every job ran")
         assert master.poll() is None
-        assert _stop(master) == 0
+        assert stop_gracefully(master) == 0
     finally:
-        _stop(master)
+        stop_gracefully(master)
     assert set(_held_runs(r).values()) == {1}
     assert _tracebacks(tmp_path) == []
     conn = own_redis.client()
@@ -290,9 +279,9 @@ def test_scripts_run_on_a_redis_without_the_script_command(tmp_path):
             conn.lpush("queue:chaos", b"not a job")  # to dead through to_dead.lua
             wait_until(lambda: len(_runs(conn)) == n, timeout=40, message="every job ran")
             wait_until(lambda: conn.zcard("dead") == 1, timeout=10, message="the garbage in dead")
-            assert _stop(master) == 0
+            assert stop_gracefully(master) == 0
         finally:
-            _stop(master)
+            stop_gracefully(master)
         assert set(_runs(conn).values()) == {1}
         assert _private(conn) == [] and conn.zcard("retry") == 0 and conn.llen("queue:chaos") == 0
         assert _tracebacks(tmp_path) == []
@@ -319,9 +308,9 @@ def test_an_acl_user_without_evalsha_gets_one_line_and_runs_the_jobs_once_it_is_
         assert len(_events(tmp_path, "fetch failed")) == 2  # one line per child
         r.acl_setuser("fq", enabled=True, commands=["+evalsha"])
         wait_until(lambda: len(_runs(r)) == n, timeout=30, message="every job ran once allowed to")
-        assert _stop(master) == 0
+        assert stop_gracefully(master) == 0
     finally:
-        _stop(master)
+        stop_gracefully(master)
     assert set(_runs(r).values()) == {1}
     assert _private(r) == [] and r.llen("queue:chaos") == 0
     assert _tracebacks(tmp_path) == []

@@ -19,7 +19,7 @@ import pytest
 import forkq
 from corekit import core_jobs, records, wait_records, workers  # noqa: F401
 from forkq import keys
-from helpers import REPO_ROOT, wait_until
+from helpers import REPO_ROOT, stop_gracefully, wait_until
 
 ORPHAN_APP = REPO_ROOT / "tests" / "apps" / "orphan_jobs.py"
 
@@ -121,15 +121,6 @@ def _sweeps(r) -> int:
     return r.info("commandstats").get("cmdstat_eval", {}).get("calls", 0)
 
 
-def _stop_master(master: subprocess.Popen) -> None:
-    master.send_signal(signal.SIGTERM)
-    try:
-        master.wait(20)
-    except subprocess.TimeoutExpired:
-        os.killpg(master.pid, signal.SIGKILL)
-        master.wait()
-
-
 @pytest.mark.timeout(60)
 def test_a_forkq_elsewhere_is_not_taken_for_dead_when_a_full_redis_takes_writes_again(
         own_redis, tmp_path):
@@ -170,7 +161,7 @@ def test_a_forkq_elsewhere_is_not_taken_for_dead_when_a_full_redis_takes_writes_
         assert "recovered a dead process's jobs" not in here.read_text()
     finally:
         r.config_set("maxmemory", "0")
-        _stop_master(master)
+        stop_gracefully(master, 20)
         r.close()
 
 
@@ -214,7 +205,7 @@ def test_an_owner_that_beats_less_often_than_we_wait_after_a_refusal_keeps_its_j
                    message="the silent owner's job recovered as a suspect")
     finally:
         r.config_set("maxmemory", "0")
-        _stop_master(master)
+        stop_gracefully(master, 20)
         r.close()
 
 
