@@ -416,6 +416,7 @@ class Waiters:
         self._quiet = False
         self._paused = False
         self._client_ids: dict[str, int | None] = {}
+        self._connections: dict[str, AbstractConnection] = {}
         self._ids_refused = False  # CLIENT ID refused (an ACL without CLIENT): ask no more
         self._threads = [threading.Thread(target=self._run, args=(q,), name=f"forkq-wait-{q}",
                                           daemon=True) for q in fetch.order.names]
@@ -454,6 +455,14 @@ class Waiters:
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        # A wait still blocked here could not be ended early (no CLIENT, or its BLMOVE went
+        # out just after the unblock) and outlives a short --timeout. Left blocked, it could
+        # move a job pushed after the final requeue into a landing list nobody will look at:
+        # the requeue has unregistered this process. Closing its connection makes Redis
+        # drop the wait; a job it caught first is in the landing list the requeue empties.
+        for t, queue in zip(self._threads, self._fetch.order.names):
+            if t.is_alive() and (connection := self._connections.get(queue)) is not None:
+                _shut(connection)
 
     def _unblock(self) -> None:
         """End blocking waits now instead of at their timeout, so a stop takes milliseconds."""
@@ -473,6 +482,7 @@ class Waiters:
         BLMOVE's timeout. One connection per waiter thread: this id is the one BLMOVE
         blocks on."""
         connection.on_connect()
+        self._connections[queue] = connection
         self._client_ids[queue] = None
         if self._ids_refused:
             return
@@ -513,6 +523,8 @@ class Waiters:
                         self._armed.clear()
                         self._wake()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if self._stopping:
+                    return  # stop() closed this connection: not an outage
                 self._client_ids[queue] = None  # a new connection gets a new id
                 self._on_error(exc)
                 time.sleep(0.5)
@@ -529,3 +541,15 @@ class Waiters:
                 refused = False
             if self._stopping:
                 return
+
+
+def _shut(connection: AbstractConnection) -> None:
+    """Shut a connection's socket from another thread: the thread reading it gets EOF and
+    the server, seeing the close, drops any blocking command it holds for it."""
+    sock = getattr(connection, "_sock", None)
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed

@@ -172,6 +172,37 @@ def test_a_stop_ends_a_blocking_wait_whose_connection_the_server_timed_out(own_r
         admin.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_stop_closes_a_blocking_wait_it_could_not_end(own_redis):
+    """Without CLIENT a stop cannot end a blocking wait early, and with a --timeout shorter
+    than the block the wait outlived the stop's final requeue, which unregisters the
+    process: a job pushed then went into a landing list no recovery looks at."""
+    admin = own_redis.client()
+    _acl_user(admin, "+@all", "-client")
+    url = f"redis://fq:pw@127.0.0.1:{own_redis.port}/0"
+    identity = "test:1:000000000000"
+    fetch = ReliableFetch(redis.Redis.from_url(url), identity, QueueOrder([("default", 0)]),
+                          block_timeout=30.0, direct=False)
+    waiters = Waiters(fetch, lambda: redis.Redis.from_url(url, socket_timeout=40),
+                      threading.Event().set, lambda exc: None)
+
+    def blocked() -> int:
+        return sum(c.get("cmd") == "blmove" and c.get("flags") == "b" for c in admin.client_list())
+
+    try:
+        waiters.start()
+        waiters.arm()
+        wait_until(lambda: blocked() == 1, message="the waiter blocking in BLMOVE")
+        waiters.stop(0.2)
+        wait_until(lambda: blocked() == 0, timeout=5, message="the blocking wait dropped by stop")
+        forkq.Client(own_redis.url).push_bulk("Any", [[1]])
+        assert admin.llen("queue:default") == 1
+        assert admin.llen(keys.landing(identity, "default")) == 0
+    finally:
+        waiters.stop(0)
+        admin.close()
+
+
 def _held_jobs(own_redis, r, tmp: Path, n: int) -> subprocess.Popen:
     """A master with two children holding `n` ops.hold jobs in flight (they wait on ops:hold,
     kept in `r`, the shared server, out of reach of what is done to own_redis)."""
