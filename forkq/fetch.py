@@ -106,6 +106,10 @@ class ReliableFetch:
         self._return_suspect = scripts.load(client, "return_suspect")
         self._next_token = 1
         self._acks: deque[str] = deque()
+        # the acks of the claim on the wire: a stop's flush_acks deletes them too, in case
+        # that claim is stuck (Redis frozen) and reaches Redis after the final requeue,
+        # which would otherwise put those finished jobs back to run again
+        self._sending: list[str] = []
         self.owner_json: str | None = None  # set by register(); the heartbeat re-asserts it
         # jids of suspects that ran to their end: their crash counts are deleted with the
         # next acks (only suspects ever land here, so ordinary jobs cost nothing)
@@ -141,9 +145,11 @@ class ReliableFetch:
         self._next_token = first + max(want, 0)
         names = landed + order
         argv: list[Any] = [want, len(acks), self._resend, first, *acks, *names]
+        self._sending = acks
         try:
             flat = self._claim(keys_, argv)
         except Exception:
+            self._sending = []
             # the acks were not applied: keep them for the next call; a landing list that
             # was not drained must be drained next time too
             self._acks.extendleft(reversed(acks))
@@ -151,6 +157,7 @@ class ReliableFetch:
             if want > 0:
                 self._uncertain.append((first, want))
             raise
+        self._sending = []
         units = _units(flat, first, names)
         if landed:
             self._landed.update(_undrained(flat, want, landed))
@@ -271,6 +278,9 @@ class ReliableFetch:
         return out
 
     def flush_acks(self) -> None:
+        if sending := self._sending:
+            # another thread's claim is carrying these; deleting them twice does no harm
+            self.redis.hdel(self.inflight_key, *sending)
         while self._acks or self._cleared:
             batch = self._take_acks(4000)
             cleared = list(self._cleared)

@@ -401,6 +401,53 @@ class CommandCutter:
         self._listener.close()
 
 
+class CommandHolder:
+    """A loopback TCP proxy to a Redis port that holds back, until `release` is set, the
+    first request holding `marker` (and what its connection sends after it): a command
+    stuck on its way to a frozen server, while every other connection goes through. It
+    holds nothing while `marker` is None."""
+
+    def __init__(self, port: int, marker: bytes | None = None) -> None:
+        self._target = port
+        self.marker = marker
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.holding = threading.Event()
+        self.release = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self._target))
+            for src, dst, requests in ((client, server, True), (server, client, False)):
+                threading.Thread(target=self._pump, args=(src, dst, requests), daemon=True).start()
+
+    def _pump(self, src, dst, requests) -> None:
+        try:
+            while data := src.recv(65536):
+                marker = self.marker
+                if requests and marker is not None and marker in data and not self.holding.is_set():
+                    self.holding.set()
+                    self.release.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def close(self) -> None:
+        self.release.set()
+        self._listener.close()
+
+
 # ---------------------------------------------------------------------------
 # Ruby Sidekiq 6.4.1
 # ---------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from forkq.fetch import ReliableFetch, Waiters
 from forkq.queues import QueueOrder
 from corekit import (UnixSocketRedis, core_jobs, forkq_client, queued, records,  # noqa: F401
                      seen, wait_records, workers)
-from helpers import CommandCutter, wait_until
+from helpers import CommandCutter, CommandHolder, wait_until
 
 IDENTITY = re.compile(r"\A[^:]+:\d+:[0-9a-f]{12}\Z")
 
@@ -391,6 +391,45 @@ def test_a_fetch_sent_again_after_a_lost_reply_claims_nothing_twice(own_redis):
     finally:
         conn.close()
         admin.close()
+
+
+@pytest.mark.timeout(20)
+def test_the_final_requeue_keeps_out_finished_jobs_whose_acks_ride_a_stuck_claim(own_redis):
+    """A stop while Redis is frozen: a claim carrying finished jobs' acks is stuck on its
+    socket, and the final requeue, sent later on another connection, can reach Redis
+    first. It put those finished jobs back on their queue, to run a second time."""
+    holder = CommandHolder(own_redis.port)
+    admin = own_redis.client()
+    identity = "test:1:000000000000"
+    fetch = ReliableFetch(redis.Redis(port=holder.port), identity, QueueOrder([("default", 0)]))
+    caught: list[BaseException] = []
+
+    def claim() -> None:
+        try:
+            fetch.fetch(1)
+        except BaseException as exc:  # reported below, not lost in the thread
+            caught.append(exc)
+
+    stuck = threading.Thread(target=claim)
+    try:
+        fetch.register()
+        forkq.Client(own_redis.url).push_bulk("Any", [[i] for i in range(3)])
+        finished = fetch.fetch(3)
+        assert len(finished) == 3
+        for unit in finished:
+            fetch.ack(unit.token)
+        holder.marker = fetch._fetch.sha.encode()
+        stuck.start()
+        assert holder.holding.wait(5)
+        requeued, _ = fetch.requeue_all()  # what a stop does once its deadline passed
+        assert requeued == 0
+        assert admin.llen("queue:default") == 0
+    finally:
+        holder.close()
+        if stuck.ident is not None:  # started
+            stuck.join(5)
+        admin.close()
+    assert caught == []
 
 
 @pytest.mark.timeout(20)
