@@ -75,6 +75,18 @@ def writes_refused(exc: BaseException) -> bool:
     return str(exc).rpartition(" of pipeline caused error: ")[2].startswith(_REFUSALS)
 
 
+def refusal(exc: BaseException) -> str:
+    """What Redis is doing, for a log line about a refusal writes_refused accepts: BUSY
+    and NOPERM refuse more than writes, and "refuses writes" sent operators to maxmemory
+    and disk space for a long script or an ACL."""
+    text = str(exc).rpartition(" of pipeline caused error: ")[2]
+    if text.startswith("BUSY "):
+        return "is busy running a script"
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return "refuses a command to this ACL user"
+    return "refuses writes"
+
+
 class Unit(NamedTuple):
     token: str   # its field in the in-flight hash: "NUMBER\nQUEUE"
     queue: str

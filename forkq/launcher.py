@@ -20,7 +20,7 @@ import psutil
 import redis
 
 from . import keys, logs
-from .fetch import writes_refused
+from .fetch import refusal, writes_refused
 from .manager import REDIS_ERRORS, Manager
 
 log = logs.get("forkq.launcher")
@@ -89,7 +89,7 @@ class Launcher:
                 if not writes_refused(exc):
                     log.exception("heartbeat failed")
                 elif not self._refused:  # one line as the refusal starts, not a traceback a beat
-                    log.error("Redis refuses writes: no heartbeat until it takes them again",
+                    log.error(f"Redis {refusal(exc)}: no heartbeat until that passes",
                               error=str(exc))
                 self._refused = writes_refused(exc)
             else:

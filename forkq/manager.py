@@ -30,7 +30,7 @@ from typing import Any
 import redis
 
 from . import logs
-from .fetch import ReliableFetch, Unit, Waiters, crash_id, writes_refused
+from .fetch import ReliableFetch, Unit, Waiters, crash_id, refusal, writes_refused
 from .processor import Processor
 from .queues import QueueOrder
 from .retry import Outcomes
@@ -362,7 +362,7 @@ class Manager:
                     raise
                 if not refused:
                     refused = True  # one line per write, not one per try
-                    log.error("Redis refuses writes; trying again until it takes this one",
+                    log.error(f"Redis {refusal(exc)}; trying again until it takes this write",
                               error=str(exc))
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
@@ -437,7 +437,7 @@ class Manager:
                     raise
                 elif not refused:
                     refused = True
-                    log.error("Redis refuses writes; no job is claimed until it takes this "
+                    log.error(f"Redis {refusal(exc)}; no job is claimed until it takes this "
                               "process's registration", error=str(exc))
                 self._wake.wait(delay)
                 self._wake.clear()
@@ -506,7 +506,7 @@ class Manager:
                     self.health.failed(exc)
                 elif writes_refused(exc):
                     if not refused:  # one line as it starts, not a traceback a second
-                        log.error("could not send acks while quiet: Redis refuses writes; "
+                        log.error(f"could not send acks while quiet: Redis {refusal(exc)}; "
                                   "trying again", error=str(exc))
                 else:
                     log.exception("could not send acks while quiet")
@@ -526,7 +526,7 @@ class Manager:
             now = time.monotonic()
             if now - self._refusal_logged >= 60.0:
                 self._refusal_logged = now
-                log.error(f"{what}: Redis refuses writes", error=str(exc))
+                log.error(f"{what}: Redis {refusal(exc)}", error=str(exc))
         else:
             log.exception(what)
         self._sleep(timeout=delay)

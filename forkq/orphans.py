@@ -32,7 +32,7 @@ import psutil
 import redis
 
 from . import keys, logs
-from .fetch import Requeued, pid_namespace, requeue_owner_counts, writes_refused
+from .fetch import Requeued, pid_namespace, refusal, requeue_owner_counts, writes_refused
 
 log = logs.get("forkq.orphans")
 LOCK = "forkq:orphan-lock"
@@ -167,8 +167,8 @@ def sweep(client: redis.Redis, recovery_delay: float, holder: str, *, this_host_
     except redis.ResponseError as exc:
         if not writes_refused(exc):
             raise
-        log.warning("Redis refuses writes, heartbeats included: no process is judged dead "
-                    "until they have had time to resume", error=str(exc))
+        log.warning(f"Redis {refusal(exc)}, so no heartbeat is written: no process is judged "
+                    "dead until they have had time to resume", error=str(exc))
         return None
     recovered = []
     try:

@@ -27,7 +27,7 @@ import redis
 import setproctitle
 
 from . import client, control, hooks, logs, orphans, systemd
-from .fetch import requeue_owner_counts, writes_refused
+from .fetch import refusal, requeue_owner_counts, writes_refused
 from .metrics import MetricsServer
 from .settings import STOP_GRACE_S, STOP_PATIENCE_S, Settings
 
@@ -357,7 +357,7 @@ class Supervisor:
                     raise
                 if not final:
                     self._requeue_retry_at = time.monotonic() + 5.0
-                    why = "refuses writes" if writes_refused(exc) else "unreachable"
+                    why = refusal(exc) if writes_refused(exc) else "unreachable"
                     log.warning(f"cannot requeue a dead child's jobs yet: Redis {why}", error=str(exc))
                     return done
                 if time.monotonic() >= give_up:

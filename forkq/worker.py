@@ -22,7 +22,7 @@ import redis
 import setproctitle
 
 from . import __version__, client, logs
-from .fetch import requeue_owner, writes_refused
+from .fetch import refusal, requeue_owner, writes_refused
 from .launcher import Launcher, new_identity
 from .manager import REDIS_ERRORS, Manager
 from .metrics import DeltaReporter
@@ -194,7 +194,7 @@ class Worker:
         except redis.ResponseError as exc:
             if not writes_refused(exc):
                 raise
-            log.error("could not write final stats: Redis refuses writes", error=str(exc))
+            log.error(f"could not write final stats: Redis {refusal(exc)}", error=str(exc))
         if self.metrics is not None and self.report_fd is not None:
             self.metrics.send(self.report_fd)  # the last jobs' counts, before the master reaps us
         if not finished:
@@ -219,7 +219,7 @@ class Worker:
         except redis.ResponseError as exc:
             if not writes_refused(exc):
                 raise
-            log.error("Redis refuses writes at stop: in-flight jobs stay in this process's private "
+            log.error(f"Redis {refusal(exc)} at stop: in-flight jobs stay in this process's private "
                       "structures until the supervisor or orphan recovery puts them back",
                       error=str(exc))
             return 0

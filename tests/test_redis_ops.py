@@ -245,7 +245,7 @@ def test_a_stop_while_redis_answers_busy_exits_0_and_loses_nothing(own_redis, r,
             master.send_signal(signal.SIGTERM)
             assert master.wait(40) == 0
         assert _tracebacks(tmp_path) == []
-        assert _events(tmp_path, "Redis refuses writes at stop")
+        assert _events(tmp_path, "Redis is busy running a script at stop")
         # the next forkq on this host recovers the stopped one's jobs at boot
         r.delete("ops:hold")
         again = _start(own_redis.url, tmp_path, app=OPS_APP, queue="ops", log="log2",
@@ -336,7 +336,7 @@ def test_an_acl_user_without_evalsha_gets_one_line_and_runs_the_jobs_once_it_is_
         forkq.Client(own_redis.url).push_bulk("chaos.record", [[i, False] for i in range(n)],
                                               queue="chaos")
         wait_until(lambda: _denied(r, "evalsha") >= 8, timeout=30, message="claims refused, again and again")
-        assert len(_events(tmp_path, "fetch failed")) == 2  # one line per child
+        assert len(_events(tmp_path, "fetch failed: Redis refuses a command to this ACL user")) == 2
         r.acl_setuser("fq", enabled=True, commands=["+evalsha"])
         wait_until(lambda: len(_runs(r)) == n, timeout=30, message="every job ran once allowed to")
         assert stop_gracefully(master) == 0

@@ -83,7 +83,7 @@ def test_a_worker_started_while_redis_refuses_writes_fetches_once_it_takes_them(
         conn.config_set("maxmemory", "0")
         # one line as the refusal starts; each beat logged a traceback
         log = worker.log_path.read_text()
-        assert log.count("no heartbeat until it takes them again") == 1, log
+        assert log.count("no heartbeat until that passes") == 1, log
         assert "heartbeat failed" not in log and "Traceback" not in log, log
         core_jobs.record.options(client=forkq.Client(own_redis.url)).enqueue("after OOM")
         wait_records(r, 1, worker, kind="record", timeout=15)
