@@ -13,9 +13,10 @@ from .errors import (ConfigError, ForkqError, MalformedPayload, PartialEnqueue, 
                      UnknownJob)
 from .jobs import Job, job
 from .hooks import on_fork, server_middleware, slot_index
+from .logs import JobFields
 
 __all__ = [
-    "Client", "ConfigError", "ForkqError", "Job", "MalformedPayload", "PartialEnqueue", "RedisUnavailable",
+    "Client", "ConfigError", "ForkqError", "Job", "JobFields", "MalformedPayload", "PartialEnqueue", "RedisUnavailable",
     "UnknownJob", "configure", "default_client", "job", "on_fork", "server_middleware", "slot_index",
 ]
 __version__ = "0.1.0"

@@ -470,6 +470,7 @@ def _start(settings: Settings) -> int:
     # otherwise rule the master's lines, while each child sets forkq's up again after the
     # fork: the master's lines went to the app's stream and format, without pid.
     logs.configure(settings.log_level, settings.log_format)
+    logs.take_stdlib_logging(settings.log_level)
     from .jobs import REGISTRY
     if not REGISTRY:
         # legal (a worker for jobs yet to be deployed), but far more often a forgotten flag

@@ -217,6 +217,58 @@ def configure(level: str = "info", fmt: str | None = None, slot: int | None = No
     )
 
 
+class JobFields(logging.Filter):
+    """A filter for an app's own logging handlers: each record logged while a job runs
+    gets `jid`, `class` and `queue` attributes (None outside a job), for a format such as
+    "%(jid)s %(message)s". Attributes the record already has (from `extra=`) are kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        current = getattr(_job, "current", None) or (None, None, None)
+        for name, value in zip(("jid", "class", "queue"), current):
+            if name not in record.__dict__:
+                record.__dict__[name] = value
+        return True
+
+
+class _ToLines(logging.Handler):
+    """Writes the standard library's records as forkq lines: the same format, stream and
+    buffering, with `logger` and, while a job runs, its jid, class and queue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._loggers: dict[str, Any] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            logger = self._loggers.get(record.name)
+            if logger is None:
+                logger = self._loggers[record.name] = get(record.name)
+            n = record.levelno
+            method = ("critical" if n >= logging.CRITICAL else "error" if n >= logging.ERROR
+                      else "warning" if n >= logging.WARNING else "info" if n >= logging.INFO
+                      else "debug")
+            fields: dict[str, Any] = {"logger": record.name}
+            if record.exc_info:
+                fields["exc_info"] = record.exc_info
+            getattr(logger, method)(record.getMessage(), **fields)
+        except Exception:
+            self.handleError(record)
+
+
+def take_stdlib_logging(level: str) -> bool:
+    """Route the standard library's logging into forkq's lines, unless the app set up
+    logging of its own (the root logger has a handler): without this, a job's
+    `logging.getLogger(__name__).info(...)` went nowhere and its warnings reached stderr
+    as bare text, with no time, pid or job. True if taken."""
+    root = logging.getLogger()
+    if root.handlers:
+        return False
+    root.addHandler(_ToLines())
+    if root.level == logging.WARNING:  # the default: nobody chose it
+        root.setLevel(LEVELS[level])
+    return True
+
+
 def enabled(level: str) -> bool:
     """Whether `level` is logged; hot paths check this once instead of per call."""
     return LEVELS[level] >= _level

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import forkq
-from helpers import free_port, json_lines, wait_until
+from helpers import free_port, json_lines, stop_gracefully, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "tests" / "apps" / "logging_jobs.py"
@@ -57,6 +57,48 @@ def test_app_log_lines_inside_a_job_carry_jid_class_queue_pid_and_slot(redis_url
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_stdlib_logging_in_a_job_becomes_forkq_lines_with_the_job_fields(redis_url, tmp_path):
+    """An app that does not set up logging: a job's logging.info() went nowhere and its
+    logging.exception() reached stderr as bare text, with no time, pid or jid."""
+    log = tmp_path / "forkq.log"
+    proc = _start(redis_url, log, "--processes", "1", "--pidfile", str(tmp_path / "pid"))
+    try:
+        jid = forkq.Client(redis_url).push("logging.stdlib", [3])
+        info = wait_until(lambda: _first(log, "stdlib info in the job x=3"), timeout=20,
+                          message="the job's stdlib info line")
+        error = wait_until(lambda: _first(log, "stdlib error in the job"), timeout=10)
+        assert stop_gracefully(proc) == 0
+    finally:
+        stop_gracefully(proc)
+    for line in (info, error):
+        assert (line["jid"], line["class"], line["queue"]) == (jid, "logging.stdlib", "default")
+        assert line["logger"] == "app.stdlib" and line["slot"] == 0
+    assert (info["level"], error["level"]) == ("info", "error")
+    assert "KeyError: 3" in error["exception"]
+
+
+@pytest.mark.timeout(60)
+def test_an_app_with_its_own_logging_keeps_it_and_can_add_the_job_fields(redis_url, tmp_path):
+    log = tmp_path / "forkq.log"
+    env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "forkq", "start", "--no-fork", "--require",
+                             str(REPO / "tests" / "apps" / "own_logging_jobs.py"), "--log-format", "json"],
+                            env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        jid = forkq.Client(redis_url).push("ownlog.hello", [5])
+        wait_until(lambda: "plain 5" in log.read_text(), timeout=20, message="the app's own line")
+        assert stop_gracefully(proc) == 0
+    finally:
+        stop_gracefully(proc)
+    text = log.read_text()
+    assert f"APP {jid} ownlog.hello mine hello 5\n" in text  # its extra= is kept
+    assert f"APP {jid} ownlog.hello default plain 5\n" in text
+    # not written twice: forkq left the app's root handler alone
+    assert not any("plain 5" in (x.get("event") or "") for x in json_lines(log))
 
 
 @pytest.mark.timeout(60)
