@@ -122,6 +122,7 @@ class ReliableFetch:
         # that claim is stuck (Redis frozen) and reaches Redis after the final requeue,
         # which would otherwise put those finished jobs back to run again
         self._sending: list[str] = []
+        self._flush_lock = threading.Lock()
         self.owner_json: str | None = None  # set by register(); the heartbeat re-asserts it
         # jids of suspects that ran to their end: their crash counts are deleted with the
         # next acks (only suspects ever land here, so ordinary jobs cost nothing)
@@ -290,6 +291,13 @@ class ReliableFetch:
         return out
 
     def flush_acks(self) -> None:
+        # One flush at a time: a stop's flush, then its requeue, must reach Redis after
+        # another thread's flush that is stuck on a frozen Redis holding a batch; sent
+        # beside it, the requeue could get there first and put those finished jobs back
+        with self._flush_lock:
+            self._flush_acks()
+
+    def _flush_acks(self) -> None:
         if sending := self._sending:
             # another thread's claim is carrying these; deleting them twice does no harm
             self.redis.hdel(self.inflight_key, *sending)

@@ -433,6 +433,38 @@ def test_the_final_requeue_keeps_out_finished_jobs_whose_acks_ride_a_stuck_claim
 
 
 @pytest.mark.timeout(20)
+def test_the_final_requeue_waits_for_a_stuck_flush_of_acks(own_redis):
+    """As above, for acks a quiet process flushes on their own (no claims then): the
+    flush's HDEL stuck on a frozen Redis, the final requeue sent beside it put its
+    finished jobs back."""
+    holder = CommandHolder(own_redis.port)
+    admin = own_redis.client()
+    fetch = ReliableFetch(redis.Redis(port=holder.port), "test:1:000000000000",
+                          QueueOrder([("default", 0)]))
+    flusher = threading.Thread(target=fetch.flush_acks)
+    requeue = threading.Thread(target=fetch.requeue_all)  # what a stop does past its deadline
+    try:
+        fetch.register()
+        forkq.Client(own_redis.url).push_bulk("Any", [[i] for i in range(3)])
+        for unit in fetch.fetch(3):
+            fetch.ack(unit.token)
+        holder.marker = b"HDEL"
+        flusher.start()
+        assert holder.holding.wait(5)
+        requeue.start()
+        requeue.join(0.5)  # the old code's requeue was done by now, ahead of the HDEL
+        holder.release.set()
+        requeue.join(5)
+        assert admin.llen("queue:default") == 0
+    finally:
+        holder.close()
+        for thread in (flusher, requeue):
+            if thread.ident is not None:  # started
+                thread.join(5)
+        admin.close()
+
+
+@pytest.mark.timeout(20)
 def test_a_blocking_wait_whose_reply_is_lost_still_hands_over_its_job(own_redis):
     """A BLMOVE whose reply is lost has moved a job into the landing list. Sent again
     (redis-py retries on a broken connection) it would block on an empty queue and the
