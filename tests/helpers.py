@@ -348,23 +348,14 @@ class _AddressInUse(Exception):
     pass
 
 
-class CommandCutter:
-    """A loopback TCP proxy to a Redis port that, once a client sends a request holding
-    `marker` (say b"LPUSH"), swallows that connection's next reply and closes it: the
-    command ran, and its client never hears so. Other connections through it (a
-    sentinel's pings) pass untouched. Made with `armed=False` it cuts nothing until
-    `armed` is set; with the empty marker it then cuts the next reply on any connection
-    (one already blocked in a command, say). It cuts once."""
+class _Proxy:
+    """A loopback TCP proxy to a Redis port: each connection gets two pump threads, one per
+    direction, that subclasses' _forward lets data through (or not)."""
 
-    def __init__(self, port: int, marker: bytes = b"", armed: bool = True) -> None:
+    def __init__(self, port: int) -> None:
         self._target = port
-        self._marker = marker
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
-        self.armed = threading.Event()
-        if armed:
-            self.armed.set()
-        self.cut = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -374,7 +365,7 @@ class CommandCutter:
             except OSError:
                 return
             server = socket.create_connection(("127.0.0.1", self._target))
-            marked = threading.Event()
+            marked = threading.Event()  # per connection: its request held a marker
             for src, dst, replies in ((client, server, False), (server, client, True)):
                 threading.Thread(target=self._pump, args=(src, dst, replies, marked),
                                  daemon=True).start()
@@ -382,10 +373,7 @@ class CommandCutter:
     def _pump(self, src, dst, replies, marked) -> None:
         try:
             while data := src.recv(65536):
-                if not replies and self._marker in data:
-                    marked.set()
-                elif replies and marked.is_set() and self.armed.is_set() and not self.cut.is_set():
-                    self.cut.set()
+                if not self._forward(data, replies, marked):
                     break
                 dst.sendall(data)
         except OSError:
@@ -397,55 +385,60 @@ class CommandCutter:
                 pass
             sock.close()
 
+    def _forward(self, data: bytes, replies: bool, marked: threading.Event) -> bool:
+        raise NotImplementedError
+
     def close(self) -> None:
         self._listener.close()
 
 
-class CommandHolder:
-    """A loopback TCP proxy to a Redis port that holds back, until `release` is set, the
-    first request holding `marker` (and what its connection sends after it): a command
-    stuck on its way to a frozen server, while every other connection goes through. It
-    holds nothing while `marker` is None."""
+class CommandCutter(_Proxy):
+    """A proxy that, once a client sends a request holding `marker` (say b"LPUSH"),
+    swallows that connection's next reply and closes it: the command ran, and its client
+    never hears so. Other connections through it (a sentinel's pings) pass untouched.
+    Made with `armed=False` it cuts nothing until `armed` is set; with the empty marker it
+    then cuts the next reply on any connection (one already blocked in a command, say).
+    It cuts once."""
+
+    def __init__(self, port: int, marker: bytes = b"", armed: bool = True) -> None:
+        self._marker = marker
+        self.armed = threading.Event()
+        if armed:
+            self.armed.set()
+        self.cut = threading.Event()
+        super().__init__(port)
+
+    def _forward(self, data: bytes, replies: bool, marked: threading.Event) -> bool:
+        if not replies and self._marker in data:
+            marked.set()
+        elif replies and marked.is_set() and self.armed.is_set() and not self.cut.is_set():
+            self.cut.set()
+            return False
+        return True
+
+
+class CommandHolder(_Proxy):
+    """A proxy that holds back, until `release` is set, the first request holding
+    `marker` (and what its connection sends after it): a command stuck on its way to a
+    frozen server, while every other connection goes through. It holds nothing while
+    `marker` is None."""
 
     def __init__(self, port: int, marker: bytes | None = None) -> None:
-        self._target = port
         self.marker = marker
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
         self.holding = threading.Event()
         self.release = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(port)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self._target))
-            for src, dst, requests in ((client, server, True), (server, client, False)):
-                threading.Thread(target=self._pump, args=(src, dst, requests), daemon=True).start()
-
-    def _pump(self, src, dst, requests) -> None:
-        try:
-            while data := src.recv(65536):
-                marker = self.marker
-                if requests and marker is not None and marker in data and not self.holding.is_set():
-                    self.holding.set()
-                    self.release.wait()
-                dst.sendall(data)
-        except OSError:
-            pass
-        for sock in (src, dst):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
+    def _forward(self, data: bytes, replies: bool, marked: threading.Event) -> bool:
+        marker = self.marker
+        if not replies and marker is not None and marker in data and not self.holding.is_set():
+            self.holding.set()
+            self.release.wait()
+        return True
 
     def close(self) -> None:
         self.release.set()
-        self._listener.close()
+        super().close()
 
 
 # ---------------------------------------------------------------------------
