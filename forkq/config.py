@@ -204,6 +204,36 @@ def parse_value(o: Option, value: Any) -> Any:
     return o.parse(value)
 
 
+# FORKQ_ variables forkq reads besides each setting's own: the configuration file, the
+# TLS files of a rediss:// URL (client.TLS_ENV), the dashboard's secrets (web/command.py),
+# and the slot index a master gives its children (and a job passes on to what it starts)
+OTHER_ENV = frozenset({"FORKQ_CONFIG", "FORKQ_REDIS_CA", "FORKQ_REDIS_CERT", "FORKQ_REDIS_KEY",
+                       "FORKQ_WEB_PASSWORD", "FORKQ_WEB_TOKEN", "FORKQ_WEB_SECRET", "FORKQ_INDEX"})
+
+# What Kubernetes puts into every pod for a Service named forkq or forkq-something (say
+# forkq-redis): FORKQ_REDIS_SERVICE_HOST, FORKQ_REDIS_PORT_6379_TCP, and a _PORT of tcp://...
+_SERVICE_LINK = re.compile(r"FORKQ\w*_(SERVICE_HOST|SERVICE_PORT\w*|PORT_\d+_(TCP|UDP|SCTP)\w*)")
+_SERVICE_URL = re.compile(r"(tcp|udp|sctp)://")
+
+
+def unread_env(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line per FORKQ_ variable that forkq does not read. A misspelt setting in the
+    environment (FORKQ_QUEUE with an S, as the file's `queues` has) was ignored in silence,
+    and the workers served only the default queue, while the same slip in a file is refused."""
+    import difflib
+    environ = os.environ if environ is None else environ
+    known = sorted({o.env for o in OPTIONS} | OTHER_ENV)
+    lines = []
+    for name in sorted(environ):
+        if not name.startswith("FORKQ_") or name in known or _SERVICE_LINK.fullmatch(name) \
+                or name.endswith("_PORT") and _SERVICE_URL.match(environ[name]):
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.9)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        lines.append(f"{name} is not a variable forkq reads, so it is ignored{hint}")
+    return lines
+
+
 def given(name: str, value: str | None) -> str | None:
     """A flag or environment variable that is not a setting (--config, FORKQ_CONFIG, the
     dashboard's password): None when not given, refused when given empty, as parse_value."""

@@ -1,0 +1,61 @@
+"""What a newcomer following README.md meets: real `python -m forkq` processes against a
+real Redis, as the README has them run."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from forkq import config
+from helpers import json_lines, wait_until
+from test_admin_cli import REPO_ROOT
+
+
+@pytest.mark.timeout(60)
+def test_a_misspelt_setting_in_the_environment_is_named_at_start(redis_url, tmp_path):
+    """FORKQ_QUEUES=mail (the file's key is `queues` too) was ignored without a word: the
+    worker served `default` only, and jobs pushed to `mail` waited for ever."""
+    log_path = tmp_path / "worker.log"
+    env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO_ROOT),
+               FORKQ_QUEUES="mail",
+               # what Kubernetes sets for Services named forkq-redis and forkq: no mistake
+               FORKQ_REDIS_SERVICE_HOST="10.0.0.3", FORKQ_REDIS_PORT="tcp://10.0.0.3:6379",
+               FORKQ_PORT_9191_TCP_ADDR="10.0.0.4")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "forkq", "start", "--no-fork", "--log-format", "json"],
+                                env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "worker started" in log_path.read_text(), timeout=30,
+                   message="the worker started")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    named = [line["event"] for line in json_lines(log_path) if "FORKQ_" in line["event"]]
+    assert named == ["FORKQ_QUEUES is not a variable forkq reads, so it is ignored "
+                     "(did you mean FORKQ_QUEUE?)"], named
+
+    out = subprocess.run([sys.executable, "-m", "forkq", "start", "--print-config"], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ("forkq: FORKQ_QUEUES is not a variable forkq reads, so it is ignored "
+                          "(did you mean FORKQ_QUEUE?)\n")
+
+
+@pytest.mark.timeout(30)
+def test_every_variable_the_code_and_docs_name_is_one_forkq_reads():
+    """The warning above must never name a variable forkq does read: each one the code or
+    the docs mention passes, and an unrelated one gets no guess."""
+    named: set[str] = set()
+    sources = [*(REPO_ROOT / "forkq").rglob("*.py"), REPO_ROOT / "README.md",
+               *(REPO_ROOT / "deploy").rglob("*.*"), *(REPO_ROOT / "systemd").iterdir()]
+    for path in sources:
+        named |= set(re.findall(r"\bFORKQ_[A-Z_]*[A-Z]\b", path.read_text()))
+    assert {"FORKQ_REDIS_URL", "FORKQ_QUEUE", "FORKQ_CONFIG", "FORKQ_INDEX"} <= named
+    assert config.unread_env({name: "x" for name in named}) == []
+    assert config.unread_env({"FORKQ_THREADS": "5"}) == [
+        "FORKQ_THREADS is not a variable forkq reads, so it is ignored"]
