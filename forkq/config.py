@@ -183,7 +183,7 @@ OPTIONS = [
            "deaths (of a child or a whole forkq) a job may cause before it goes to the dead set (default 3)"),
     Option("--recovery-delay", "recovery_delay", seconds,
            "seconds without a heartbeat before another forkq recovers a dead process's jobs (default 60)"),
-    Option("--pidfile", "pidfile", text, "write the master's pid here (default $FORKQ_PIDFILE or /tmp/forkq.pid)"),
+    Option("--pidfile", "pidfile", text, "write the master's pid here (default $FORKQ_PIDFILE, else forkq.pid in $TMPDIR or /tmp)"),
     Option("--metrics-port", "metrics_port", port,
            "serve Prometheus metrics from the master on this port (default: off)", metavar="PORT"),
     Option("--metrics-bind", "metrics_bind", bind_address,

@@ -26,7 +26,7 @@ log = logs.get("forkq.control")
 def default_pidfile() -> str:
     """Where `start` puts its pidfile when not told, so where `ctl` looks: $FORKQ_PIDFILE,
     else `pidfile` in the configuration file `start` reads ($FORKQ_CONFIG, else
-    ./pyproject.toml's [tool.forkq]), else /tmp/forkq.pid."""
+    ./pyproject.toml's [tool.forkq]), else forkq.pid in the temporary directory ($TMPDIR, /tmp)."""
     if os.environ.get("FORKQ_PIDFILE"):
         return os.environ["FORKQ_PIDFILE"]
     from . import config

@@ -59,3 +59,22 @@ def test_every_variable_the_code_and_docs_name_is_one_forkq_reads():
     assert config.unread_env({name: "x" for name in named}) == []
     assert config.unread_env({"FORKQ_THREADS": "5"}) == [
         "FORKQ_THREADS is not a variable forkq reads, so it is ignored"]
+
+
+@pytest.mark.timeout(30)
+def test_start_help_says_where_the_default_pidfile_is(tmp_path):
+    """--help said /tmp/forkq.pid, where a newcomer with TMPDIR set (as macOS and many CI
+    runners have it) found no pidfile: it is in $TMPDIR."""
+    env = {k: v for k, v in os.environ.items() if k not in ("FORKQ_PIDFILE", "FORKQ_CONFIG")}
+    env.update(TMPDIR=str(tmp_path), PYTHONPATH=str(REPO_ROOT))
+
+    def forkq(*args: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "forkq", "start", *args], env=env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    (line,) = [x for x in forkq("--print-config").splitlines() if x.startswith("pidfile")]
+    assert repr(str(tmp_path / "forkq.pid")) in line
+    help_text = " ".join(forkq("--help").split())  # argparse wraps to the terminal's width
+    assert "(default $FORKQ_PIDFILE, else forkq.pid in $TMPDIR or /tmp)" in help_text
