@@ -10,10 +10,14 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from . import __version__, config, logs
+from . import __version__, config, keys, logs
 from .errors import ConfigError
 from .settings import Settings
+
+if TYPE_CHECKING:
+    import redis
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -407,6 +411,8 @@ def warn_about_redis(settings: Settings) -> None:
             conn.close()
             raise ConfigError(f"--redis-url {shown}: {type(exc).__name__}: {exc}") from None
         # an outage: the warning below, and workers retry
+    else:
+        warn_about_queue_names(settings, conn)
     try:
         policy = conn.config_get("maxmemory-policy")
     except redis.ResponseError:
@@ -421,6 +427,34 @@ def warn_about_redis(settings: Settings) -> None:
         logs.get("forkq").warning(
             "Redis maxmemory-policy is not noeviction: under memory pressure Redis will "
             "delete keys, and with them jobs", policy=value.decode() if isinstance(value, bytes) else value)
+
+
+def warn_about_queue_names(settings: Settings, conn: redis.Redis) -> None:
+    """A --queue misspelt ('mial' for 'mail') is served in silence while its jobs wait on the
+    queue they were pushed to. Warn when a served queue is one Redis has never listed and no
+    registered job uses, but it is close to one of those: a queue no job has reached yet (a
+    fresh Redis, jobs pushed from elsewhere) is no mistake, and gets no warning unless it
+    looks like a slip."""
+    import difflib
+
+    import redis
+
+    from .jobs import REGISTRY
+    served = [name for name, _ in settings.queues]
+    try:
+        listed = {q.decode("utf-8", "replace") for q in conn.smembers(keys.QUEUES)}
+    except redis.RedisError:
+        return  # a boot check only: the workers report what is wrong with Redis
+    known = sorted(listed | {j.queue for j in REGISTRY.values()})
+    for name in served:
+        if name in known:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.7)
+        if close:
+            logs.get("forkq").warning(
+                f"--queue {name!r}: no job was ever pushed to that queue and no registered job "
+                f"uses it; did you mean {close[0]!r}?",
+                queue=name, similar=close[0])
 
 
 def warn_about_timing(settings: Settings) -> None:

@@ -78,3 +78,26 @@ def test_start_help_says_where_the_default_pidfile_is(tmp_path):
     assert repr(str(tmp_path / "forkq.pid")) in line
     help_text = " ".join(forkq("--help").split())  # argparse wraps to the terminal's width
     assert "(default $FORKQ_PIDFILE, else forkq.pid in $TMPDIR or /tmp)" in help_text
+
+
+@pytest.mark.timeout(60)
+def test_a_misspelt_queue_to_work_is_named_at_start(r, redis_url, tmp_path):
+    """`--queue mial` for the README's `mail`: the worker served a queue nothing reaches and
+    said nothing, while the jobs waited on `mail`. A queue merely new (no job pushed yet, none
+    registered: `critical` in the README's own command) is no mistake and gets no warning."""
+    r.sadd("queues", "reports")  # pushed from elsewhere (a Ruby client), no job registered here
+    log_path = tmp_path / "worker.log"
+    env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=f"{REPO_ROOT}:{REPO_ROOT / 'tests' / 'apps'}")
+    args = ["--require", "core_jobs", "--no-fork", "--log-format", "json", "--queue", "critical,3",
+            "--queue", "mial,2", "--queue", "default,1", "--queue", "report", "--queue", "reports"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "forkq", "start", *args],
+                                env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "worker started" in log_path.read_text(), timeout=30,
+                   message="the worker started")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    named = {line["queue"]: line["similar"] for line in json_lines(log_path) if "similar" in line}
+    assert named == {"mial": "mail", "report": "reports"}, named
