@@ -402,6 +402,7 @@ class Client:
     def _push_checked(self, name: str, checked: list[list], queue: str, retry: bool | int,
                       at: float | datetime | None, options: dict[str, Any]) -> list[str]:
         payload.check_options(options)
+        payload.check_retry(retry)
         now = time.time()
         jobs = [payload.build(name, a, queue, retry, now, **options) for a in checked]
         return self.push_jobs(jobs, at=at)

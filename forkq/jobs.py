@@ -29,6 +29,8 @@ class Enqueuer:
         self.job = job
         self._client = client
         self.options = payload.check_options(options)
+        if "retry" in options:
+            payload.check_retry(options["retry"])
 
     @property
     def client(self) -> Client:
@@ -167,8 +169,7 @@ def job(fn: Callable[..., Any] | None = None, *, queue: str = "default", retry: 
     retry_in: hook(count, exc) choosing the delay before a retry (see Job.retry_in); a
     delay above 0 gets Sidekiq's jitter of rand(10) * (count + 1) seconds added.
     """
-    if type(retry) is int and retry < 0:
-        raise ValueError(f"retry must be True, False or a count >= 0, not {retry}")
+    payload.check_retry(retry)
 
     def register(f: Callable[..., Any]) -> Job:
         jname = name or f"{f.__module__}.{f.__qualname__}"

@@ -142,6 +142,15 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+def check_retry(retry: Any) -> bool | int:
+    """Return retry if it is True, False or a count >= 0, else raise: a payload's retry of
+    another type ("5", 5.0) means Sidekiq's default of 25 retries to every worker that
+    reads it, Ruby's and forkq's alike, so the job would retry 25 times, not 5."""
+    if type(retry) is bool or (type(retry) is int and retry >= 0):
+        return retry
+    raise ValueError(f"retry must be True, False or a count >= 0, not {retry!r}")
+
+
 def check_queue(name: Any) -> str:
     """Return name if a job can be pushed to it, else raise as Sidekiq's client refuses an
     empty one: such a job would wait forever on a queue no worker can be told to serve

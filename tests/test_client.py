@@ -78,6 +78,21 @@ def test_negative_retry_is_refused():
         forkq.job(retry=-1)
 
 
+@pytest.mark.parametrize("bad", ["5", 5.0, None, [5]])
+def test_a_retry_that_is_not_a_bool_or_count_is_refused_before_anything_is_pushed(bad, forkq_client, r):
+    """retry="5" or 5.0 was pushed as it was, and every worker, Sidekiq's and forkq's,
+    reads a retry of another type as its default: 25 retries, not 5."""
+    with pytest.raises(ValueError, match="retry must be True, False or a count"):
+        forkq.job(retry=bad)
+    with pytest.raises(ValueError, match="retry must be True, False or a count"):
+        core_jobs.add.options(retry=bad)
+    with pytest.raises(ValueError, match="retry must be True, False or a count"):
+        forkq_client.push("Any", [1], retry=bad)
+    with pytest.raises(ValueError, match="retry must be True, False or a count"):
+        forkq_client.push_bulk("Any", [[1]], retry=bad)
+    assert r.dbsize() == 0
+
+
 def test_calling_the_function_runs_it_locally(forkq_client, r):
     assert core_jobs.add(2, 3) == 5
     assert core_jobs.add.__wrapped__(1, 1) == 2
