@@ -139,7 +139,12 @@ class ReliableFetch:
                 "pidns": pid_namespace(), "master": self.master, "started_at": time.time(),
                 "heartbeat_interval": self.heartbeat_interval}
         self.owner_json = json.dumps(info)
-        self.redis.hset(keys.OWNERS, self.identity, self.owner_json)
+        pipe = self.redis.pipeline(transaction=True)
+        # the alive key first: an orphan sweep that finds this entry also finds the clock it
+        # is judged by, and never falls back to started_at, written by this host's clock
+        pipe.set(keys.alive(self.identity), 1, px=keys.ALIVE_TTL_S * 1000)
+        pipe.hset(keys.OWNERS, self.identity, self.owner_json)
+        pipe.execute()
 
     # -- claiming -------------------------------------------------------------------
     def fetch(self, want: int) -> list[Unit]:

@@ -30,6 +30,9 @@ SUSPECTS_PREFIX = "forkq:suspects:"
 DEAD_MAX_JOBS = 10_000
 DEAD_TIMEOUT_S = 180 * 24 * 3600
 HEARTBEAT_TTL_S = 60
+# How long an owner's alive key (see alive()) outlives its last heartbeat. Silence is read
+# off this key's remaining TTL, so a --recovery-delay longer than this counts as this long.
+ALIVE_TTL_S = 7 * 24 * 3600
 STAT_DAY_TTL_S = 5 * 365 * 24 * 3600
 
 
@@ -54,6 +57,16 @@ def signals(identity: str) -> str:
 def inflight(identity: str) -> str:
     """Hash of this process's fetched, unacknowledged jobs: token -> "QUEUE\\nPAYLOAD"."""
     return "forkq:inflight:" + identity
+
+
+def alive(identity: str) -> str:
+    """An owner's clock for orphan recovery, set again with ALIVE_TTL_S at each heartbeat:
+    the time since its last beat is ALIVE_TTL_S less its remaining TTL, counted by Redis.
+    The heartbeat's `beat` field is the owner's own clock, and a host whose clock runs
+    behind another's looks silent to it (or, ahead, alive long after it died). Sidekiq's
+    heartbeat hash cannot serve: it expires 60 s after the last beat, and a longer
+    --recovery-delay would then have nothing to go by."""
+    return "forkq:alive:" + identity
 
 
 def suspects(queue_name: str) -> str:

@@ -157,6 +157,7 @@ class Launcher:
             # re-assert the owners entry: if an orphan sweep ever took this live process
             # for dead (a Redis outage longer than its delay), the next beat registers it again
             pipe.hset(keys.OWNERS, self.identity, owner)
+            pipe.set(keys.alive(self.identity), 1, px=keys.ALIVE_TTL_S * 1000)
         pipe.sadd(keys.PROCESSES, self.identity)
         pipe.exists(self.identity)
         pipe.hset(self.identity, mapping={

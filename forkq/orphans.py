@@ -96,8 +96,11 @@ def dead_owners(client: redis.Redis, recovery_delay: float, *, this_host_now: bo
                 beats_since: float = 0.0) -> list[tuple[str, list[str]]]:
     """Registered owners judged dead, with their queues.
 
-    Dead: heartbeat `beat` older than `recovery_delay` (or 3 of the owner's own heartbeat
-    intervals), or no heartbeat and registered longer ago than that. Silence before
+    Dead: silent for longer than `recovery_delay` (or 3 of the owner's own heartbeat
+    intervals). Silence is counted by Redis, from what is left of the owner's alive key
+    (keys.alive), so no two hosts' clocks are compared; an owner without one (a forkq from
+    before the key) is judged by its heartbeat's `beat`, or by when it registered if it
+    never beat, against our clock. Silence before
     `beats_since` (epoch seconds: when Redis last came back from an outage or a refusal of
     writes) does not count: nobody could beat then, and an owner that beats less often than
     we waited after it would look dead. With `this_host_now`, an owner on this host whose
@@ -110,13 +113,14 @@ def dead_owners(client: redis.Redis, recovery_delay: float, *, this_host_now: bo
     identities = [i for i in owners if i.decode() not in skip]
     pipe = client.pipeline(transaction=False)
     for identity in identities:
+        pipe.pttl(keys.alive(identity.decode()))
         pipe.hget(identity, "beat")
-    beats = pipe.execute()
+    replies = pipe.execute()
     now = time.time()
     host = socket.gethostname()
     here = pid_namespace()
     dead = []
-    for identity, beat in zip(identities, beats):
+    for identity, left_ms, beat in zip(identities, replies[::2], replies[1::2]):
         info = _owner_info(owners[identity])
         queues = [q for q in info.get("queues", []) if isinstance(q, str)]
         # the pid rule only where a pid names the same process for us as for the owner:
@@ -129,15 +133,19 @@ def dead_owners(client: redis.Redis, recovery_delay: float, *, this_host_now: bo
                     and not (isinstance(own, int) and own != os.getpid() and _alive_here(own))):
                 dead.append((identity.decode(), queues))
                 continue
-        if beat is not None:
-            try:
-                last = float(beat)
-            except ValueError:
-                last = 0.0
+        if isinstance(left_ms, int) and left_ms > 0:  # PTTL: -2 no such key, -1 no expiry
+            silent = keys.ALIVE_TTL_S - left_ms / 1000
         else:
-            started = info.get("started_at")
-            last = float(started) if isinstance(started, (int, float)) else 0.0
-        if now - max(last, beats_since) > _lease(info, recovery_delay):
+            if beat is not None:
+                try:
+                    last = float(beat)
+                except ValueError:
+                    last = 0.0
+            else:
+                started = info.get("started_at")
+                last = float(started) if isinstance(started, (int, float)) else 0.0
+            silent = now - last
+        if min(silent, now - beats_since) > _lease(info, recovery_delay):
             dead.append((identity.decode(), queues))
     return dead
 

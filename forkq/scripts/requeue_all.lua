@@ -97,5 +97,5 @@ redis.call('HDEL', KEYS[2], ARGV[1])
 -- the process is gone: off Sidekiq's process list now, not when its heartbeat expires
 -- (a live process judged dead adds itself back at its next beat)
 redis.call('SREM', 'processes', ARGV[1])
-redis.call('UNLINK', ARGV[1], ARGV[1] .. ':work', ARGV[1] .. ':workers')
+redis.call('UNLINK', ARGV[1], ARGV[1] .. ':work', ARGV[1] .. ':workers', 'forkq:alive:' .. ARGV[1])
 return {requeued + nsuspects, poisoned, nsuspects}

@@ -1,0 +1,181 @@
+"""Several forkq masters on one Redis: hosts whose clocks disagree, leases past the
+heartbeat's expiry.
+
+Each master is a real `python -m forkq start` in a session of its own. A master that
+plays another host runs in a UTS namespace of its own (`unshare --uts`, a hostname of its
+own), so another master judges it by its silence, as it would a real remote host, not by
+its pid. A host whose clock is off is a master whose Python sees `time.time()` shifted
+(a sitecustomize put on its PYTHONPATH), as every wall-clock time it writes would be.
+Jobs from tests/apps/fleet_jobs.py count their starts and ends in Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+import forkq
+from forkq import keys, orphans
+from helpers import wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+APP = REPO / "tests" / "apps" / "fleet_jobs.py"
+
+SHIFTED_CLOCK = """\
+import os
+import time
+
+_shift = float(os.environ["FLEET_CLOCK_SHIFT"])
+_time, _time_ns = time.time, time.time_ns
+time.time = lambda: _time() + _shift
+time.time_ns = lambda: _time_ns() + int(_shift * 1e9)
+"""
+
+
+class Fleet:
+    """Masters started for one test; every one still running is stopped at teardown."""
+
+    def __init__(self, url: str, tmp: Path) -> None:
+        self.url = url
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, *args: str, host: str | None = None,
+              clock_shift: float = 0.0) -> subprocess.Popen:
+        log = self.tmp / f"{name}.log"
+        cmd = [sys.executable, "-m", "forkq", "start", "--require", str(APP), "--log-format", "json",
+               "--pidfile", str(self.tmp / f"{name}.pid"), "--processes", "1", "--concurrency", "1",
+               "--heartbeat-interval", "0.5", "--timeout", "1", *args]
+        if host is not None:
+            cmd = ["unshare", "--uts", "sh", "-c", f'hostname {host} && exec "$@"', "sh", *cmd]
+        path = [str(REPO)]
+        env = dict(os.environ, FORKQ_REDIS_URL=self.url)
+        if clock_shift:
+            shifted = self.tmp / f"{name}-clock"
+            shifted.mkdir()
+            (shifted / "sitecustomize.py").write_text(SHIFTED_CLOCK)
+            path.insert(0, str(shifted))
+            env["FLEET_CLOCK_SHIFT"] = str(clock_shift)
+        env["PYTHONPATH"] = os.pathsep.join(path)
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=open(log, "w"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc.log = log  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                    continue
+                except subprocess.TimeoutExpired:
+                    pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+def _events(proc: subprocess.Popen, name: str) -> list[dict]:
+    out = []
+    for line in proc.log.read_text().splitlines():  # type: ignore[attr-defined]
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") == name:
+            out.append(event)
+    return out
+
+
+def _owners_on(r: redis.Redis, host: str) -> list[str]:
+    return [i.decode() for i, v in r.hgetall(keys.OWNERS).items() if json.loads(v).get("host") == host]
+
+
+@pytest.fixture
+def fleet(redis_url, tmp_path):
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to give a master a host name of its own")
+    probe = subprocess.run(["unshare", "--uts", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a UTS namespace here: {probe.stderr.decode().strip()}")
+    made = Fleet(redis_url, tmp_path)
+    yield made
+    made.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_live_forkq_whose_clock_runs_behind_keeps_its_running_job(fleet, r, redis_url):
+    """Its heartbeats carry times five minutes old by our clock: judged by them, another
+    forkq took it for dead at every sweep and its running job ran a second time."""
+    sweeper = fleet.start("sweeper", "--recovery-delay", "3")
+    wait_until(lambda: r.hlen(keys.OWNERS) == 1, timeout=20, message="the sweeper's child registered")
+    slow = fleet.start("slow", "--queue", "slow", host="fleet-slow-clock", clock_shift=-300)
+    wait_until(lambda: _owners_on(r, "fleet-slow-clock"), timeout=20,
+               message="the slow-clock host's child registered")
+    # longer than the sweeper's 3 s delay plus the 3.5 s it waits before it judges anyone
+    # by silence, and its sweeps come every second
+    forkq.Client(redis_url).push("fleet.work", ["long", 9], queue="slow")
+    wait_until(lambda: r.hget("fleet:runs", "long"), timeout=30,
+               message=f"the job ran\n{slow.log.read_text()[-2000:]}")  # type: ignore[attr-defined]
+    (identity,) = _owners_on(r, "fleet-slow-clock")
+    # the moment its run ended, nothing else holds the job or waits to run it again
+    assert (r.hlen(keys.inflight(identity)), r.llen("queue:slow"), r.llen(keys.suspects("slow"))) == (0, 0, 0)
+    assert r.hget("fleet:starts", "long") == b"1"
+    assert not _events(sweeper, "recovered a dead process's jobs")
+
+
+@pytest.mark.timeout(90)
+def test_a_dead_forkq_whose_clock_ran_ahead_is_recovered_within_the_delay(fleet, r, redis_url):
+    """Its last heartbeat carried a time five minutes ahead of ours: judged by it, its jobs
+    waited those five minutes on top of the recovery delay."""
+    delay = 3.0
+    sweeper = fleet.start("sweeper", "--recovery-delay", str(delay))
+    fast = fleet.start("fast", "--queue", "fast", host="fleet-fast-clock", clock_shift=300)
+    wait_until(lambda: len(_owners_on(r, "fleet-fast-clock")) == 1, timeout=20,
+               message="the fast-clock host's child registered")
+    (identity,) = _owners_on(r, "fleet-fast-clock")
+    jid = forkq.Client(redis_url).push("fleet.work", ["held", 60], queue="fast")
+    wait_until(lambda: r.hlen(keys.inflight(identity)) == 1 and r.hget(identity, "beat"), timeout=20,
+               message="the fast-clock host runs the job and has beaten")
+    os.killpg(fast.pid, signal.SIGKILL)  # the whole host at once
+    fast.wait(10)
+    killed = time.monotonic()
+    # the delay, a sweep (every second here), a heartbeat, and slack for a shared machine
+    wait_until(lambda: r.llen(keys.suspects("fast")) == 1, timeout=delay + 1.0 + 0.5 + 5.0,
+               message=f"the dead host's job recovered\n{sweeper.log.read_text()[-2000:]}")  # type: ignore[attr-defined]
+    assert time.monotonic() - killed >= delay - 0.6, "recovered before the delay was up"
+    assert json.loads(r.lindex(keys.suspects("fast"), 0))["jid"] == jid
+    assert not r.exists(keys.inflight(identity)) and not r.hexists(keys.OWNERS, identity)
+    assert not r.exists(keys.alive(identity))
+    (event,) = _events(sweeper, "recovered a dead process's jobs")
+    assert event["owner"] == identity and event["requeued"] == 1
+
+
+@pytest.mark.timeout(20)
+def test_a_recovery_delay_past_the_heartbeats_expiry_is_honoured(r):
+    """Sidekiq's heartbeat hash expires 60 s after the last beat. With it gone, a longer
+    --recovery-delay went by when the owner registered instead: a process up for an hour
+    and silent for 61 s (frozen, or cut off from Redis) lost its running jobs at once."""
+    now = time.time()
+    entry = {"queues": ["default"], "host": "elsewhere", "pid": 1, "master": "elsewhere:1:x",
+             "started_at": now - 3600, "heartbeat_interval": 5}
+    r.hset(keys.OWNERS, mapping={"silent-65s": json.dumps(entry), "silent-130s": json.dumps(entry)})
+    # what is left of each alive key: the silence, counted by Redis. No heartbeat hash: it
+    # expired a while ago
+    r.set(keys.alive("silent-65s"), 1, px=(keys.ALIVE_TTL_S - 65) * 1000)
+    r.set(keys.alive("silent-130s"), 1, px=(keys.ALIVE_TTL_S - 130) * 1000)
+    assert [i for i, _ in orphans.dead_owners(r, 120)] == ["silent-130s"]
+    assert sorted(i for i, _ in orphans.dead_owners(r, 60)) == ["silent-130s", "silent-65s"]
