@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from . import keys, payload, scripts
+from .errors import UnknownJob
 from .fetch import writes_refused
 
 if TYPE_CHECKING:
@@ -210,7 +211,12 @@ class Outcomes:
               jobdef: "Job | None") -> tuple[str, Callable[[str], None]]:
         now = time.time()
         limit = max_retries(job, jobdef)
-        if retry_option(job, jobdef) is False:
+        # A class this worker does not know never ran: in a rolling deploy the new code's
+        # jobs reach old workers. Its `retry: false` or `dead: false` is about failures of
+        # its own code, and dropping it lost a job nobody ever ran; it goes to dead, where
+        # a retry sends it back once a worker that knows it runs.
+        unknown = isinstance(exc, UnknownJob)
+        if retry_option(job, jobdef) is False and not unknown:
             return "dropped", self.drop
         record_failure(job, exc, now)
         # Before the retry-or-dead decision, as Sidekiq's JobRetry does: a dead entry names
@@ -234,7 +240,7 @@ class Outcomes:
                 # (BaseException: a hook's sys.exit() would end the processor thread with
                 # the job stuck in flight, as a job's own would; see Processor._perform)
                 pass
-        if job.get("dead") is False:
+        if job.get("dead") is False and not unknown:
             return "dropped", self.drop
         return "dead", lambda token: self.to_dead(job, token, now)
 

@@ -29,6 +29,7 @@ from helpers import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "tests" / "apps" / "fleet_jobs.py"
+APP_V2 = REPO / "tests" / "apps" / "fleet_jobs_v2.py"
 
 SHIFTED_CLOCK = """\
 import os
@@ -179,3 +180,31 @@ def test_a_recovery_delay_past_the_heartbeats_expiry_is_honoured(r):
     r.set(keys.alive("silent-130s"), 1, px=(keys.ALIVE_TTL_S - 130) * 1000)
     assert [i for i, _ in orphans.dead_owners(r, 120)] == ["silent-130s"]
     assert sorted(i for i, _ in orphans.dead_owners(r, 60)) == ["silent-130s", "silent-65s"]
+
+
+@pytest.mark.timeout(60)
+def test_a_job_the_old_workers_do_not_know_is_kept_in_dead_even_with_retry_false(fleet, r, redis_url):
+    """A rolling deploy: the new code pushes a job of a class it adds, with retry=False, and
+    a worker of the old version takes it. It never ran, yet it was dropped, as a failure of
+    a job with retry=False is. Kept in dead, it runs once a retry sends it to new code."""
+    old = fleet.start("old")
+    wait_until(lambda: r.hlen(keys.OWNERS) == 1, timeout=20, message="the old version's child registered")
+    jid = forkq.Client(redis_url).push("fleet.added", ["new-job"], retry=False)
+    wait_until(lambda: r.zcard("dead") == 1, timeout=10,
+               message=f"the job kept in dead\n{old.log.read_text()[-2000:]}")  # type: ignore[attr-defined]
+    entry = json.loads(r.zrange("dead", 0, -1)[0])
+    assert entry["jid"] == jid and entry["args"] == ["new-job"] and entry["retry"] is False
+    assert entry["error_class"] == "forkq.errors.UnknownJob"
+    assert "no job named 'fleet.added' is registered" in entry["error_message"]
+    assert [e["fate"] for e in _events(old, "fail")] == ["dead"]
+
+    new = fleet.start("new", "--require", str(APP_V2))
+    wait_until(lambda: r.hlen(keys.OWNERS) == 2, timeout=20, message="the new version's child registered")
+    assert old.send_signal(signal.SIGTERM) is None and old.wait(30) == 0
+    done = subprocess.run([sys.executable, "-m", "forkq", "dead", "retry", "--jid", jid],
+                          env=dict(os.environ, FORKQ_REDIS_URL=redis_url), cwd=REPO,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    wait_until(lambda: r.hget("fleet:runs", "new-job"), timeout=10,
+               message=f"the new version ran it\n{new.log.read_text()[-2000:]}")  # type: ignore[attr-defined]
+    assert r.hget("fleet:runs", "new-job") == b"1" and r.zcard("dead") == 0
