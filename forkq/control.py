@@ -19,6 +19,7 @@ import redis
 
 from . import client, keys, logs
 from .errors import ConfigError
+from .fetch import pid_namespace
 
 log = logs.get("forkq.control")
 
@@ -207,12 +208,15 @@ def remote_signal(conn: redis.Redis, signame: str, *, identity: str | None = Non
 
 
 def children_of(master_pid: int, conn: redis.Redis) -> list[dict[str, Any]]:
-    """The master's children with their heartbeats (matched by host and pid)."""
+    """The master's children with their heartbeats (matched by host and pid, in our pid
+    namespace)."""
     host = socket.gethostname()
+    elsewhere = _other_pid_namespaces(conn, host)
     by_pid = {}
     for hb in heartbeats(conn):
         info = hb["info"]
-        if info.get("hostname") == host and isinstance(info.get("pid"), int):
+        if (info.get("hostname") == host and isinstance(info.get("pid"), int)
+                and hb["identity"] not in elsewhere):
             by_pid[info["pid"]] = hb
     try:
         children = psutil.Process(master_pid).children()
@@ -231,6 +235,30 @@ def children_of(master_pid: int, conn: redis.Redis) -> list[dict[str, Any]]:
                      "quiet": hb["quiet"] if hb else None, "rss_mb": rss_mb,
                      "beat_age": hb["beat_age"] if hb else None})
     return sorted(rows, key=lambda r: (r["slot"] is None, r["slot"] or 0, r["pid"]))
+
+
+def _other_pid_namespaces(conn: redis.Redis, host: str) -> set[str]:
+    """Identities of forkq processes with our host name whose pids are not ours to read.
+
+    Containers given one hostname (hostNetwork pods on a node, compose's `hostname:`) each
+    number their processes from 1, so their children have the same pids: matched by host
+    and pid alone, `ctl check` in one container judged it by another's heartbeats, passing
+    a container whose children had stopped beating (or failing a healthy one). The owners
+    registry records each process's pid namespace; a process not in it (or from a forkq
+    that did not record one) is matched as before."""
+    here = pid_namespace()
+    if here is None:
+        return set()
+    out = set()
+    for identity, raw in conn.hgetall(keys.OWNERS).items():
+        try:
+            info = json.loads(raw)
+        except ValueError:
+            continue
+        if (isinstance(info, dict) and info.get("host") == host
+                and isinstance(info.get("pidns"), str) and info["pidns"] != here):
+            out.add(identity.decode("utf-8", "replace"))
+    return out
 
 
 def redis_for_ctl() -> redis.Redis:

@@ -20,10 +20,12 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 
 import forkq
+import forkq.control
 from forkq import keys, orphans
 from helpers import wait_until
 
@@ -208,3 +210,82 @@ def test_a_job_the_old_workers_do_not_know_is_kept_in_dead_even_with_retry_false
     wait_until(lambda: r.hget("fleet:runs", "new-job"), timeout=10,
                message=f"the new version ran it\n{new.log.read_text()[-2000:]}")  # type: ignore[attr-defined]
     assert r.hget("fleet:runs", "new-job") == b"1" and r.zcard("dead") == 0
+
+
+def _pid_namespaces_usable() -> str | None:
+    """Why two containers cannot be imitated here (None: they can)."""
+    for tool in ("unshare", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"needs {tool}(1)"
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "--uts", "true"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        return f"cannot make PID and UTS namespaces here: {probe.stderr.decode().strip()}"
+    return None
+
+
+@pytest.mark.timeout(90)
+def test_ctl_check_in_one_of_two_containers_with_one_hostname_judges_its_own_children(redis_url, r, tmp_path):
+    """Two containers given the same hostname each number their processes from 1, so their
+    children have the same pids. Matched by host and pid alone, `ctl check` (a pod's probe)
+    in a container whose children had stopped beating read the other's, and said ok."""
+    problem = _pid_namespaces_usable()
+    if problem:
+        pytest.skip(problem)
+    env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO))
+    env.pop("FORKQ_PIDFILE", None)
+    env.pop("FORKQ_CONFIG", None)
+    boxes = {}
+    try:
+        for name in ("healthy", "frozen"):
+            cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--uts", "sh", "-c",
+                   'hostname fleet-shared-name && exec "$@"', "sh",
+                   sys.executable, "-m", "forkq", "start", "--require", str(APP), "--processes", "1",
+                   "--heartbeat-interval", "0.5", "--log-format", "json",
+                   "--pidfile", str(tmp_path / f"{name}.pid")]
+            boxes[name] = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=open(tmp_path / f"{name}.log", "w"),
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+        wait_until(lambda: r.scard("processes") == 2, timeout=30, message="both containers' children beat")
+
+        def master(name: str) -> psutil.Process | None:
+            for proc in psutil.Process(boxes[name].pid).children(recursive=True):
+                if "forkq master" in " ".join(proc.cmdline()):
+                    return proc
+            return None
+        masters = {name: wait_until(lambda n=name: master(n), timeout=10, message=f"{name} master")
+                   for name in boxes}
+        # the premise: the same pid on both sides, as the kernel hands them out in order (one
+        # child each: with more, a child's thread can take the next one's pid first)
+        in_box = [json.loads(r.hget(m, "info"))["pid"] for m in r.smembers("processes")]
+        assert in_box[0] == in_box[1], in_box
+        frozen = masters["frozen"].children()
+        for child in frozen:
+            child.suspend()
+        try:
+            wait_until(lambda: sum(1 for hb in forkq.control.heartbeats(r) if hb["beat_age"] > 3) == 1,
+                       timeout=10, message="the frozen container's child fell silent")
+
+            def check(name: str) -> subprocess.CompletedProcess:
+                return subprocess.run(
+                    ["nsenter", "-t", str(masters[name].pid), "-p", "-u", "-m", "--", sys.executable, "-m",
+                     "forkq", "ctl", "check", "--max-age", "3", "--pidfile", str(tmp_path / f"{name}.pid")],
+                    env=env, cwd=REPO, capture_output=True, text=True, timeout=30)
+            ok, bad = check("healthy"), check("frozen")
+            assert ok.returncode == 0, ok.stderr
+            assert ok.stdout.strip() == "ok: master 1, 1 children heartbeating"
+            assert bad.returncode == 1, bad.stdout
+            assert bad.stderr.strip() == "forkq: unhealthy: master 1 has 1 children, 1 without a recent heartbeat"
+        finally:
+            for child in frozen:
+                child.resume()
+    finally:
+        for proc in boxes.values():
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
