@@ -258,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"forkq: {exc}\n")
             return 2
         if args.print_config:
-            for line in config.unread_env():
-                sys.stderr.write(f"forkq: {line}\n")
+            for line in config.unread_env() + [config.ignored_redis_url(settings.redis_url)]:
+                if line:
+                    sys.stderr.write(f"forkq: {line}\n")
             try:
                 print(config.describe(settings, sources), flush=True)
             except BrokenPipeError:  # `forkq start --print-config | head`
@@ -514,6 +515,8 @@ def _start(settings: Settings) -> int:
             "no jobs are registered: every job fetched fails as unknown and goes to retry "
             "(give --require the module or .py file that defines them)", require=settings.require)
     for line in config.unread_env():
+        logs.get("forkq").warning(line)
+    if line := config.ignored_redis_url(settings.redis_url):
         logs.get("forkq").warning(line)
     try:
         from . import client

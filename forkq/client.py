@@ -105,6 +105,10 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis:
         for tcp_only in ("socket_keepalive", "socket_keepalive_options"):
             options.pop(tcp_only, None)
     try:
+        if scheme not in SCHEMES or not url.startswith(scheme):
+            # redis-py's own message names only three of these, and not the Sentinel ones
+            raise ValueError("a Redis URL starts with " + ", ".join(f"{s}://" for s in SCHEMES)
+                             + " (redis://localhost:6379/0, say)")
         if scheme in (SENTINEL_SCHEME, SENTINEL_TLS_SCHEME):
             return _connect_sentinel(url, options, tls=scheme == SENTINEL_TLS_SCHEME)
         _check_db(url)
@@ -114,6 +118,9 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis:
         return redis.Redis.from_url(url, **options)
     except ValueError as exc:
         raise ValueError(f"bad Redis URL {mask_url(url)!r}: {exc}") from None
+
+
+SCHEMES = ("redis", "rediss", "unix", SENTINEL_SCHEME, SENTINEL_TLS_SCHEME)
 
 
 def _scheme(url: str) -> str:

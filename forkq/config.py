@@ -234,6 +234,20 @@ def unread_env(environ: Mapping[str, str] | None = None) -> list[str]:
     return lines
 
 
+def ignored_redis_url(redis_url: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """A line when REDIS_URL is set but forkq runs on its default URL: Sidekiq and many
+    hosting add-ons use REDIS_URL, and a worker that quietly served localhost instead
+    looked idle while the jobs waited in the Redis that variable names."""
+    from .client import DEFAULT_URL
+    environ = os.environ if environ is None else environ
+    theirs = environ.get("REDIS_URL")
+    if redis_url not in (None, DEFAULT_URL) or environ.get("FORKQ_REDIS_URL") or not theirs \
+            or theirs == DEFAULT_URL:
+        return None
+    return (f"REDIS_URL is set, but forkq reads FORKQ_REDIS_URL (or --redis-url, or redis-url "
+            f"in its config file): using the default, {DEFAULT_URL}")
+
+
 def given(name: str, value: str | None) -> str | None:
     """A flag or environment variable that is not a setting (--config, FORKQ_CONFIG, the
     dashboard's password): None when not given, refused when given empty, as parse_value."""

@@ -101,3 +101,36 @@ def test_a_misspelt_queue_to_work_is_named_at_start(r, redis_url, tmp_path):
         assert proc.wait(30) == 0
     named = {line["queue"]: line["similar"] for line in json_lines(log_path) if "similar" in line}
     assert named == {"mial": "mail", "report": "reports"}, named
+
+
+@pytest.mark.timeout(30)
+def test_redis_url_set_for_sidekiq_is_named_when_forkq_would_use_its_default(tmp_path):
+    """Sidekiq (and many hosts' add-ons) read REDIS_URL: set alone, forkq served
+    localhost without a word, and the jobs waited in the Redis REDIS_URL names."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FORKQ_")}
+
+    def warned(**extra: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-m", "forkq", "start", "--print-config"],
+                             env=dict(env, PYTHONPATH=str(REPO_ROOT), **extra), cwd=tmp_path,
+                             capture_output=True, text=True, timeout=20)
+        assert out.returncode == 0, out.stderr
+        return [line for line in out.stderr.splitlines() if "REDIS_URL" in line]
+
+    assert warned(REDIS_URL="redis://jobs.internal:6380/2") == [
+        "forkq: REDIS_URL is set, but forkq reads FORKQ_REDIS_URL (or --redis-url, or redis-url "
+        "in its config file): using the default, redis://127.0.0.1:6379/0"]
+    assert warned(REDIS_URL="redis://jobs.internal:6380/2", FORKQ_REDIS_URL="redis://jobs.internal:6380/2") == []
+    assert warned() == []
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("url", ["localhost:6379", "Redis://localhost:6379/0", "http://localhost:6379"])
+def test_a_url_without_a_scheme_forkq_takes_names_all_of_them(url, tmp_path):
+    """redis-py's message listed redis://, rediss:// and unix:// only, not the Sentinel
+    schemes forkq also takes."""
+    out = subprocess.run([sys.executable, "-m", "forkq", "stats", "--redis-url", url],
+                         env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=20)
+    assert out.returncode != 0 and out.stdout == ""
+    assert out.stderr == (f"forkq: bad Redis URL {url!r}: a Redis URL starts with redis://, rediss://, "
+                          "unix://, redis+sentinel://, rediss+sentinel:// (redis://localhost:6379/0, say)\n")
