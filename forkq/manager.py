@@ -205,6 +205,9 @@ class Manager:
         self._suspect: Unit | None = None   # the suspect running alone, while isolating
         self._suspect_jid: str | None = None
         self._handoff = Handoff()
+        # jobs a claim brought back after quiet began: never started, _give_back_unstarted
+        # returns them (see _too_late)
+        self._late: list[Unit] = []
         self._idle = concurrency
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -307,6 +310,8 @@ class Manager:
                 self._wake.set()
                 return _NOTHING
             self.health.ok()
+            if units and self.quiet_flag:
+                return self._too_late(units)
             if units:
                 with self._lock:
                     self._idle -= len(units)
@@ -477,6 +482,9 @@ class Manager:
             self._fetcher_leads = False
             delay = 0.05
             self.health.ok()
+            if units and self.quiet_flag:
+                self._too_late(units)
+                break
             if units:
                 with self._lock:
                     self._idle -= len(units)
@@ -580,10 +588,19 @@ class Manager:
         self.waiters.resume()
         log.info("isolation ended", suspects_run=ran, stopping=self.quiet_flag)
 
+    def _too_late(self, units: list[Unit]) -> Any:
+        """Keep a claim's jobs from starting once quiet has begun (called holding the
+        baton). A claim stuck on a frozen Redis returns after the stop gave up on it, and
+        maybe after the final requeue put its jobs back on their queues: started then, they
+        ran twice."""
+        self._late.extend(units)
+        return _NOTHING
+
     def _give_back_unstarted(self) -> None:
         with self._baton:  # a processor's claim under way ends first; quiet stops the next
             pass
-        unstarted: list[Unit] = []
+        unstarted: list[Unit] = self._late
+        self._late = []
         for u in self._handoff.drain():
             if u is None:
                 continue

@@ -21,7 +21,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import forkq
+from forkq import keys
 from forkq.fetch import ReliableFetch, Waiters
+from forkq.manager import Manager
 from forkq.queues import QueueOrder
 from corekit import (UnixSocketRedis, core_jobs, forkq_client, queued, records,  # noqa: F401
                      seen, wait_records, workers)
@@ -461,6 +463,45 @@ def test_the_final_requeue_waits_for_a_stuck_flush_of_acks(own_redis):
         for thread in (flusher, requeue):
             if thread.ident is not None:  # started
                 thread.join(5)
+        admin.close()
+
+
+@pytest.mark.timeout(30)
+def test_jobs_a_stuck_claim_brings_back_after_quiet_began_are_given_back_not_run(own_redis):
+    """A stop while Redis is frozen: a processor's claim stuck on its socket returns once
+    Redis wakes, after the stop gave up waiting (and maybe after its final requeue put
+    those jobs back). The processor started the jobs it brought, so they ran twice. Here a
+    processor's take() is driven by hand, with no other thread of the manager running."""
+    holder = CommandHolder(own_redis.port)
+    admin = own_redis.client()
+    identity = "test:1:000000000000"
+    manager = Manager(lambda: redis.Redis(port=holder.port), identity,
+                      QueueOrder([("default", 0)]), concurrency=2)
+    taken: list = []
+    bell = threading.Lock()
+    bell.acquire()  # held while its processor is awake, as Handoff.get wants
+    processor = threading.Thread(target=lambda: taken.append(manager.take(bell)))
+    try:
+        manager.fetch.register()
+        manager._fetcher_leads = False  # as after the fetcher's first claim
+        forkq.Client(own_redis.url).push_bulk("Any", [[1], [2]])
+        holder.marker = manager.fetch._fetch.sha.encode()
+        processor.start()
+        assert holder.holding.wait(5), "the processor's claim never went out"
+        manager.quiet()  # SIGTERM arrives while the claim is stuck
+        holder.release.set()
+        wait_until(lambda: taken or admin.hlen(keys.inflight(identity)) == 2, timeout=5,
+                   message="the claim's reply")
+        manager._give_back_unstarted()  # the fetcher thread's part of a stop
+        processor.join(5)
+        assert taken == [None]  # told to stop, not handed a job
+        assert admin.llen("queue:default") == 2
+        assert admin.hlen(keys.inflight(identity)) == 0
+    finally:
+        holder.close()
+        if processor.ident is not None:
+            manager._handoff.put_many([None])
+            processor.join(5)
         admin.close()
 
 
