@@ -81,6 +81,32 @@ def test_stdlib_logging_in_a_job_becomes_forkq_lines_with_the_job_fields(redis_u
 
 
 @pytest.mark.timeout(60)
+def test_context_an_app_binds_with_structlog_contextvars_reaches_its_job_lines(redis_url, tmp_path):
+    """A server middleware binding a tenant with structlog.contextvars: forkq's chain did
+    not merge them, so the job's own lines lacked the field."""
+    log = tmp_path / "forkq.log"
+    env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "forkq", "start", "--processes", "1",
+                             "--require", str(REPO / "tests" / "apps" / "context_jobs.py"),
+                             "--log-format", "json", "--pidfile", str(tmp_path / "pid")],
+                            env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        forkq.Client(redis_url).push_bulk("context.report", [[1], [2]])
+        wait_until(lambda: len([x for x in json_lines(log) if x.get("event") == "done"]) == 2,
+                   timeout=20, message="both jobs done")
+        assert stop_gracefully(proc) == 0
+    finally:
+        stop_gracefully(proc)
+    lines = json_lines(log)
+    made = sorted((x["tenant"], x["rows"]) for x in lines if x.get("event") == "report made")
+    assert made == [("t1", 1), ("t2", 2)]
+    assert sorted(x["tenant"] for x in lines if x.get("event") == "stdlib report made") == ["t1", "t2"]
+    # bound for the job's run only: the lines after it carry no tenant
+    assert all("tenant" not in x for x in lines if x.get("event") in ("worker stopped", "master stopped"))
+
+
+@pytest.mark.timeout(60)
 def test_an_app_with_its_own_logging_keeps_it_and_can_add_the_job_fields(redis_url, tmp_path):
     log = tmp_path / "forkq.log"
     env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO))

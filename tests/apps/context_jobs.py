@@ -1,0 +1,20 @@
+"""An app whose server middleware binds structlog context variables around each job."""
+
+import logging
+
+import structlog
+import structlog.contextvars
+
+import forkq
+
+
+@forkq.server_middleware
+def tenant(job: dict, queue: str, call_next):
+    with structlog.contextvars.bound_contextvars(tenant=f"t{job['args'][0]}"):
+        return call_next()
+
+
+@forkq.job(name="context.report", retry=0)
+def report(n: int) -> None:
+    structlog.get_logger("app").info("report made", rows=n)
+    logging.getLogger("app.std").info("stdlib report made")
