@@ -34,6 +34,10 @@ HEARTBEAT_TTL_S = 60
 # off this key's remaining TTL, so a --recovery-delay longer than this counts as this long.
 ALIVE_TTL_S = 7 * 24 * 3600
 STAT_DAY_TTL_S = 5 * 365 * 24 * 3600
+# How long a process's flushed totals outlive its last heartbeat: far beyond any silence of
+# a live process (a master kills one silent for --hang-timeout), and short enough that the
+# keys of a whole forkq that died go away by themselves.
+FLUSHED_TTL_S = 3600
 
 
 def queue(name: str) -> str:
@@ -79,5 +83,16 @@ def landing(identity: str, queue_name: str) -> str:
     return f"forkq:landing:{identity}:{queue_name}"
 
 
+def flushed(identity: str) -> str:
+    """Hash of the processed and failed totals a process has added to the stats so far."""
+    return "forkq:flushed:" + identity
+
+
 def stat_day(name: str, day: str) -> str:
     return f"stat:{name}:{day}"
+
+
+def flush_stats(identity: str, day: str) -> list[str]:
+    """The keys of the flush_stats script, for a process and a UTC day (YYYY-MM-DD)."""
+    return [flushed(identity), STAT_PROCESSED, STAT_FAILED,
+            stat_day("processed", day), stat_day("failed", day)]

@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 import redis
 
-from . import keys, logs
+from . import keys, logs, scripts
 from .fetch import refusal, writes_refused
 from .manager import REDIS_ERRORS, Manager
 
@@ -68,7 +68,8 @@ class Launcher:
         pipe = self.redis.pipeline(transaction=True)
         self._stats(pipe)
         pipe.srem(keys.PROCESSES, self.identity)
-        pipe.unlink(keys.workers(self.identity), keys.work(self.identity))
+        # and the record of the flushed totals: nothing of a stopped process stays behind
+        pipe.unlink(keys.workers(self.identity), keys.work(self.identity), keys.flushed(self.identity))
         pipe.execute()
         self._flushed = self._pending
 
@@ -102,13 +103,13 @@ class Launcher:
     def _stats(self, pipe: Any) -> None:
         processed, failed = self.manager.counts()
         self._pending = (processed, failed)
-        dp, df = processed - self._flushed[0], failed - self._flushed[1]
-        day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-        for name, delta in (("processed", dp), ("failed", df)):
-            if delta:
-                pipe.incrby(f"stat:{name}", delta)
-                pipe.incrby(keys.stat_day(name, day), delta)
-                pipe.expire(keys.stat_day(name, day), keys.STAT_DAY_TTL_S)
+        # Totals, not deltas, and the script adds only what goes beyond the totals flushed
+        # before: a beat whose reply was lost (sent again by redis-py, or followed by the
+        # next beat with the same jobs) is counted once. EVAL with the body, not EVALSHA: in
+        # a transaction a NOSCRIPT could not be answered by sending the body instead.
+        pipe.eval(scripts.source("flush_stats"), 5,
+                  *keys.flush_stats(self.identity, datetime.now(timezone.utc).strftime("%Y-%m-%d")),
+                  processed, failed, *self._flushed, keys.FLUSHED_TTL_S, keys.STAT_DAY_TTL_S)
 
     _last_cleanup = 0.0
 
