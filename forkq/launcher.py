@@ -68,7 +68,7 @@ class Launcher:
         pipe = self.redis.pipeline(transaction=True)
         self._stats(pipe)
         pipe.srem(keys.PROCESSES, self.identity)
-        # and the record of the flushed totals: nothing of a stopped process stays behind
+        # the flushed totals too: with them gone, a master finding them missing adds nothing
         pipe.unlink(keys.workers(self.identity), keys.work(self.identity), keys.flushed(self.identity))
         pipe.execute()
         self._flushed = self._pending
@@ -105,8 +105,10 @@ class Launcher:
         self._pending = (processed, failed)
         # Totals, not deltas, and the script adds only what goes beyond the totals flushed
         # before: a beat whose reply was lost (sent again by redis-py, or followed by the
-        # next beat with the same jobs) is counted once. EVAL with the body, not EVALSHA: in
-        # a transaction a NOSCRIPT could not be answered by sending the body instead.
+        # next beat with the same jobs) is counted once, and so are jobs that the master
+        # counted after this process died (Supervisor.count_unflushed) when a beat sent
+        # before the death lands after it. EVAL with the body, not EVALSHA: in a transaction
+        # a NOSCRIPT could not be answered by sending the body instead.
         pipe.eval(scripts.source("flush_stats"), 5,
                   *keys.flush_stats(self.identity, datetime.now(timezone.utc).strftime("%Y-%m-%d")),
                   processed, failed, *self._flushed, keys.FLUSHED_TTL_S, keys.STAT_DAY_TTL_S)

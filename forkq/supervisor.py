@@ -21,12 +21,13 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 import psutil
 import redis
 import setproctitle
 
-from . import client, control, hooks, logs, orphans, systemd
+from . import client, control, hooks, keys, logs, orphans, scripts, systemd
 from .fetch import refusal, requeue_owner_counts, writes_refused
 from .metrics import MetricsServer
 from .settings import STOP_GRACE_S, STOP_PATIENCE_S, Settings
@@ -50,10 +51,11 @@ class Child:
     pid: int
     identity: str
     control_w: int          # master -> child commands
-    report_r: int           # child -> master pings "B<busy>\n"
+    report_r: int           # child -> master pings "B<busy> <processed> <failed>\n"
     started: float
     last_ping: float
     busy: int = 0
+    totals: tuple[int, int] | None = None  # jobs processed and failed, as last pinged
     ready: bool = False                    # has reported since its worker started
     stopping_since: float | None = None   # told to stop (recycle) at this monotonic time
     reason: str = ""                       # why the master ended it: memory, hang, restart
@@ -87,6 +89,8 @@ class Supervisor:
         self.stop_deadline = 0.0
         self.recycle: list[int] = []       # slots queued for a rolling restart (HUP)
         self.pending_requeue: list[tuple[str, bool]] = []
+        # identity -> the totals a child that exited last pinged, until they are in the stats
+        self.uncounted: dict[str, tuple[int, int]] = {}
         self.stats = Stats()
         self.nonce = os.urandom(6).hex()
         self.identity = f"{socket.gethostname()}:{os.getpid()}:{self.nonce}"
@@ -236,8 +240,9 @@ class Supervisor:
 
     # -- children -------------------------------------------------------------------------
     def read_report(self, child: Child) -> bool:
-        """Read what the child wrote: "B<busy>" pings, "Q"/"T" quiet or stop asked through
-        Redis, "E<error>" before it dies, or "M<json>" metrics deltas (--metrics-port)."""
+        """Read what the child wrote: "B<busy> <processed> <failed>" pings (or "B<busy>"),
+        "Q"/"T" quiet or stop asked through Redis, "E<error>" before it dies, or "M<json>"
+        metrics deltas (--metrics-port)."""
         try:
             data = os.read(child.report_r, 4096)
         except (BlockingIOError, InterruptedError):
@@ -248,8 +253,10 @@ class Supervisor:
         child.buffer += data
         *lines, child.buffer = child.buffer.split(b"\n")
         for line in lines:
-            if line.startswith(b"B") and line[1:].isdigit():
-                child.busy = int(line[1:])
+            if line.startswith(b"B") and (ping := _parse_ping(line)) is not None:
+                child.busy, totals = ping
+                if totals is not None:
+                    child.totals = totals
                 if not child.ready:
                     child.ready = True
                     # a child that got going ends its slot's streak of failed starts: a slot
@@ -304,6 +311,10 @@ class Supervisor:
             # not stopping and no reason of ours: every such exit is a crash (see above)
             reason = child.reason or "crash"
             self.stats.restarts[reason] = self.stats.restarts.get(reason, 0) + 1
+        if child.totals is not None:
+            # what it ran since its last flush, counted with the requeue: a crash left it
+            # unflushed; after a clean exit whose last flush went through, nothing is added
+            self.uncounted[child.identity] = child.totals
         # its private jobs go back before anything else happens to the slot
         self.pending_requeue.append((child.identity, crashed))
         held = self.requeue_pending().get(child.identity, (0, 0))
@@ -345,6 +356,9 @@ class Supervisor:
         while self.pending_requeue:
             identity, crashed = self.pending_requeue[0]
             try:
+                if identity in self.uncounted:
+                    self.count_unflushed(identity, self.uncounted[identity])
+                    del self.uncounted[identity]
                 requeued, poisoned, suspects = requeue_owner_counts(
                     self.redis, identity, [q for q, _ in self.settings.queues],
                     crashed=crashed and self.state != "stopping", poison_after=self.settings.poison_after)
@@ -376,7 +390,36 @@ class Supervisor:
         if final and self.pending_requeue:
             log.error("Redis unreachable or refusing writes: these children's jobs stay in their "
                       "private lists for orphan recovery", identities=[i for i, _ in self.pending_requeue])
+            if self.uncounted:
+                log.error("Redis unreachable or refusing writes: the jobs these children ran since "
+                          "their last heartbeat are not counted in stat:processed and stat:failed",
+                          totals=self.uncounted)
         return done
+
+    def count_unflushed(self, identity: str, totals: tuple[int, int]) -> None:
+        """Add to the stats what an exited child pinged beyond what its heartbeats flushed.
+
+        The flush_stats script compares with the totals the child's own flushes recorded, so
+        a child that flushed after its last ping, or exited cleanly (its last flush removed
+        them), gets nothing added, and a heartbeat of the dead child that reaches Redis after
+        this adds only what this did not. The record is left to expire a minute later rather
+        than deleted: such a late heartbeat, not finding it, would count its jobs again."""
+        day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+        try:
+            processed, failed = scripts.load(self.redis, "flush_stats")(
+                keys=keys.flush_stats(identity, day),
+                args=[*totals, "", "", keys.HEARTBEAT_TTL_S, keys.STAT_DAY_TTL_S])
+        except redis.ResponseError as exc:
+            if writes_refused(exc):
+                raise  # waited out with the requeue
+            # a counter someone overwrote with text, say: not worth ending the master (and
+            # every child) over, as an unexpected error in the requeue does
+            log.error("could not count the jobs a child ran since its last heartbeat",
+                      identity=identity, error=str(exc))
+            return
+        if processed or failed:
+            log.info("counted the jobs a child ran since its last heartbeat", identity=identity,
+                     processed=int(processed), failed=int(failed))
 
     def sweep_orphans(self, boot: bool = False) -> None:
         """Recover the jobs of forkq processes that died with their master (see orphans.py).
@@ -654,6 +697,15 @@ def _report_fatal(report_w: int, exc: BaseException) -> None:
         os.write(report_w, b"E" + line.encode("utf-8", "replace") + b"\n")
     except OSError:
         pass
+
+
+def _parse_ping(line: bytes) -> tuple[int, tuple[int, int] | None] | None:
+    """(busy, (processed, failed)) from "B<busy> <processed> <failed>", (busy, None) from a
+    bare "B<busy>", None from anything else."""
+    fields = line[1:].split(b" ")
+    if len(fields) not in (1, 3) or not all(f.isdigit() for f in fields):
+        return None
+    return int(fields[0]), ((int(fields[1]), int(fields[2])) if len(fields) == 3 else None)
 
 
 def _make_room_for_pipes(processes: int) -> tuple[int, int]:

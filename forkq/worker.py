@@ -142,10 +142,8 @@ class Worker:
     def _report(self) -> None:
         """Tell the master we are alive (a hung process can't) and how busy we are."""
         busy = self.manager.busy()
-        try:
-            os.write(self.report_fd, b"B%d\n" % busy)
-        except (BlockingIOError, BrokenPipeError):
-            pass
+        self._ping(busy)
+        self._pinged = True
         if self.metrics is not None:
             self.metrics.send(self.report_fd)
         shown = (busy, self.manager.quiet_flag)
@@ -155,6 +153,16 @@ class Worker:
                                       f"{', quiet' if self.manager.quiet_flag else ''}]")
 
     _title_shown: tuple[int, bool] | None = None
+    _pinged = False
+
+    def _ping(self, busy: int) -> None:
+        # with the jobs run and failed so far: if this process dies before its heartbeat
+        # flushes them, the master adds them to the stats (Supervisor.count_unflushed)
+        processed, failed = self.manager.counts()
+        try:
+            os.write(self.report_fd, b"B%d %d %d\n" % (busy, processed, failed))
+        except (BlockingIOError, BrokenPipeError):
+            pass
 
     def _handle(self, signum: int) -> None:
         # HUP reaches only a --no-fork worker (a master rolls its children instead): a closed
@@ -195,6 +203,11 @@ class Worker:
             if not writes_refused(exc):
                 raise
             log.error(f"could not write final stats: Redis {refusal(exc)}", error=str(exc))
+        if self.report_fd is not None and self._pinged:
+            # the final totals: no ping went out while the jobs drained, and if the last
+            # stats could not be written, the master writes these. Only after a first ping:
+            # one would tell the master that a child that never got going had started.
+            self._ping(self.manager.busy())
         if self.metrics is not None and self.report_fd is not None:
             self.metrics.send(self.report_fd)  # the last jobs' counts, before the master reaps us
         if not finished:
