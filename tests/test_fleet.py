@@ -123,14 +123,14 @@ def fleet(redis_url, tmp_path):
 def test_a_live_forkq_whose_clock_runs_behind_keeps_its_running_job(fleet, r, redis_url):
     """Its heartbeats carry times five minutes old by our clock: judged by them, another
     forkq took it for dead at every sweep and its running job ran a second time."""
-    sweeper = fleet.start("sweeper", "--recovery-delay", "3")
+    sweeper = fleet.start("sweeper", "--recovery-delay", "1.5")
     wait_until(lambda: r.hlen(keys.OWNERS) == 1, timeout=20, message="the sweeper's child registered")
     slow = fleet.start("slow", "--queue", "slow", host="fleet-slow-clock", clock_shift=-300)
     wait_until(lambda: _owners_on(r, "fleet-slow-clock"), timeout=20,
                message="the slow-clock host's child registered")
-    # longer than the sweeper's 3 s delay plus the 3.5 s it waits before it judges anyone
+    # longer than the sweeper's 1.5 s delay plus the 2 s it waits before it judges anyone
     # by silence, and its sweeps come every second
-    forkq.Client(redis_url).push("fleet.work", ["long", 9], queue="slow")
+    forkq.Client(redis_url).push("fleet.work", ["long", 5], queue="slow")
     wait_until(lambda: r.hget("fleet:runs", "long"), timeout=30,
                message=f"the job ran\n{slow.log.read_text()[-2000:]}")  # type: ignore[attr-defined]
     (identity,) = _owners_on(r, "fleet-slow-clock")
