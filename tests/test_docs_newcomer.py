@@ -16,6 +16,19 @@ from helpers import json_lines, wait_until
 from test_admin_cli import REPO_ROOT
 
 
+def _start_and_stop(args: list[str], env: dict, cwd, log_path) -> None:
+    """`forkq start ARGS` until its worker has started, then a graceful stop (exit 0)."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "forkq", "start", *args],
+                                env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "worker started" in log_path.read_text(), timeout=30,
+                   message="the worker started")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
 @pytest.mark.timeout(60)
 def test_a_misspelt_setting_in_the_environment_is_named_at_start(redis_url, tmp_path):
     """FORKQ_QUEUES=mail (the file's key is `queues` too) was ignored without a word: the
@@ -26,15 +39,7 @@ def test_a_misspelt_setting_in_the_environment_is_named_at_start(redis_url, tmp_
                # what Kubernetes sets for Services named forkq-redis and forkq: no mistake
                FORKQ_REDIS_SERVICE_HOST="10.0.0.3", FORKQ_REDIS_PORT="tcp://10.0.0.3:6379",
                FORKQ_PORT_9191_TCP_ADDR="10.0.0.4")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "forkq", "start", "--no-fork", "--log-format", "json"],
-                                env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until(lambda: "worker started" in log_path.read_text(), timeout=30,
-                   message="the worker started")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+    _start_and_stop(["--no-fork", "--log-format", "json"], env, tmp_path, log_path)
     named = [line["event"] for line in json_lines(log_path) if "FORKQ_" in line["event"]]
     assert named == ["FORKQ_QUEUES is not a variable forkq reads, so it is ignored "
                      "(did you mean FORKQ_QUEUE?)"], named
@@ -90,15 +95,7 @@ def test_a_misspelt_queue_to_work_is_named_at_start(r, redis_url, tmp_path):
     env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=f"{REPO_ROOT}:{REPO_ROOT / 'tests' / 'apps'}")
     args = ["--require", "core_jobs", "--no-fork", "--log-format", "json", "--queue", "critical,3",
             "--queue", "mial,2", "--queue", "default,1", "--queue", "report", "--queue", "reports"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "forkq", "start", *args],
-                                env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until(lambda: "worker started" in log_path.read_text(), timeout=30,
-                   message="the worker started")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+    _start_and_stop(args, env, tmp_path, log_path)
     named = {line["queue"]: line["similar"] for line in json_lines(log_path) if "similar" in line}
     assert named == {"mial": "mail", "report": "reports"}, named
 

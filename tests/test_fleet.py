@@ -27,7 +27,7 @@ import redis
 import forkq
 import forkq.control
 from forkq import keys, orphans
-from helpers import wait_until
+from helpers import json_lines, stop_gracefully, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "tests" / "apps" / "fleet_jobs.py"
@@ -77,30 +77,15 @@ class Fleet:
 
     def close(self) -> None:
         for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                    continue
-                except subprocess.TimeoutExpired:
-                    pass
-            try:
+            stop_gracefully(proc, 30)
+            try:  # what is left of its group: the children of a master killed alone, say
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            proc.wait()
 
 
 def _events(proc: subprocess.Popen, name: str) -> list[dict]:
-    out = []
-    for line in proc.log.read_text().splitlines():  # type: ignore[attr-defined]
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if event.get("event") == name:
-            out.append(event)
-    return out
+    return [e for e in json_lines(proc.log) if e.get("event") == name]  # type: ignore[attr-defined]
 
 
 def _owners_on(r: redis.Redis, host: str) -> list[str]:
