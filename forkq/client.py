@@ -145,8 +145,8 @@ def _tls_options(query: dict[str, str], options: dict[str, Any]) -> None:
 
 def tls_hint(url: str, options: dict[str, Any], exc: BaseException) -> str:
     """A sentence to add to a TLS connection error, or "": a server that requires a client
-    certificate just closes the handshake, which Python reports as a bare EOF; one that
-    requires TLS resets a plain connection."""
+    certificate just closes the handshake, which Python reports as a bare EOF (3.11, 3.12)
+    or a reset (3.13); one that requires TLS resets a plain connection."""
     scheme, text = _scheme(url), str(exc)
     if scheme == SENTINEL_SCHEME and ("reset by peer" in text or "closed by server" in text):
         return f" (if the sentinels require TLS, write {SENTINEL_TLS_SCHEME}://)"
@@ -155,7 +155,7 @@ def tls_hint(url: str, options: dict[str, Any], exc: BaseException) -> str:
     if "CERTIFICATE_VERIFY_FAILED" in text:
         return (" (the server's certificate was not trusted: give its CA with ssl_ca_certs= "
                 "or FORKQ_REDIS_CA)")
-    if "EOF" in text or "SSL" in text:
+    if "EOF" in text or "SSL" in text or "reset by peer" in text:
         query = dict(parse_qsl(urlsplit(url).query))
         if not (query.get("ssl_certfile") or options.get("ssl_certfile")
                 or os.environ.get("FORKQ_REDIS_CERT")):
