@@ -143,6 +143,37 @@ def _tls_options(query: dict[str, str], options: dict[str, Any]) -> None:
             raise ValueError(f"{option}: no such file {path!r}")
 
 
+# OpenSSL's reasons for refusing a certificate that only its strict mode (VERIFY_X509_STRICT)
+# gives: Python 3.13 turned that mode on by default, so a CA or certificate that 3.12
+# accepted can be refused with one of these even though its CA is the one given.
+_STRICT_ONLY_REFUSALS = (
+    "CA cert does not include key usage extension",
+    "Missing Authority Key Identifier",
+    "Missing Subject Key Identifier",
+    "Basic Constraints of CA cert not marked critical",
+    "Authority Key Identifier marked critical",
+    "Subject Key Identifier marked critical",
+    "Subject empty and Subject Alt Name extension not critical",
+    "Empty Subject Alternative Name extension",
+    "Issuer name empty",
+    "Subject name empty",
+    "Path length invalid for non-CA cert",
+    "Path length given without key usage keyCertSign",
+    "Key usage keyCertSign invalid for non-CA cert",
+    "Using cert extension requires at least X509v3",
+    "cert info signature and signature algorithm mismatch",
+)
+
+
+def _strict_hint() -> str:
+    from redis.connection import SSLConnection
+    relax = ("add ssl_exclude_verify_flags=VERIFY_X509_STRICT to the URL to check it as "
+             "Python 3.12 did" if "ssl_exclude_verify_flags" in _init_parameters(SSLConnection)
+             else "a redis-py that takes ssl_exclude_verify_flags= can relax the check")
+    return (" (the server's certificate or its CA breaks a rule that Python 3.13 and later "
+            f"check by default (VERIFY_X509_STRICT): reissue it, or {relax})")
+
+
 def tls_hint(url: str, options: dict[str, Any], exc: BaseException) -> str:
     """A sentence to add to a TLS connection error, or "": a server that requires a client
     certificate just closes the handshake, which Python reports as a bare EOF (3.11, 3.12)
@@ -153,6 +184,9 @@ def tls_hint(url: str, options: dict[str, Any], exc: BaseException) -> str:
     if scheme not in ("rediss", SENTINEL_TLS_SCHEME):
         return ""
     if "CERTIFICATE_VERIFY_FAILED" in text:
+        lowered = text.lower()
+        if any(reason.lower() in lowered for reason in _STRICT_ONLY_REFUSALS):
+            return _strict_hint()
         return (" (the server's certificate was not trusted: give its CA with ssl_ca_certs= "
                 "or FORKQ_REDIS_CA)")
     if "EOF" in text or "SSL" in text or "reset by peer" in text:

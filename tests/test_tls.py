@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 
@@ -31,16 +32,14 @@ def _openssl(*args, cwd):
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
 
 
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory):
+def _make_certs(d, ca_key_usage=True):
     """{"ca", "server_cert", "server_key", "client_cert", "client_key"}: paths (str)."""
-    d = tmp_path_factory.mktemp("certs")
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     # a CA without keyUsage passes Python 3.12's checks but not 3.13's (VERIFY_X509_STRICT
     # is on by default there): the client refused the server and every test here errored
+    usage = ["-addext", "keyUsage=critical,keyCertSign,cRLSign"] if ca_key_usage else []
     _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-             "-subj", "/CN=forkq test CA", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-             cwd=d)
+             "-subj", "/CN=forkq test CA", *usage, cwd=d)
     for name, ext in (("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"),
                       ("client", "extendedKeyUsage=clientAuth\n")):
         (d / f"{name}.ext").write_text(ext)
@@ -52,6 +51,17 @@ def certs(tmp_path_factory):
     return {"ca": str(d / "ca.crt"), "server_cert": str(d / "server.crt"),
             "server_key": str(d / "server.key"), "client_cert": str(d / "client.crt"),
             "client_key": str(d / "client.key")}
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return _make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def certs_without_ca_key_usage(tmp_path_factory):
+    """What a bare `openssl req -x509` CA signs: fine for Python 3.12, refused by 3.13."""
+    return _make_certs(tmp_path_factory.mktemp("lax-certs"), ca_key_usage=False)
 
 
 class TLSRedisServer(RedisServer):
@@ -263,3 +273,43 @@ def test_tls_environment_variables_fill_in_missing_options(certs, monkeypatch):
     # a plain redis:// URL ignores them
     plain = forkq.client.connect("redis://127.0.0.1:6380/0").connection_pool.connection_kwargs
     assert "ssl_ca_certs" not in plain
+
+
+class _LaxCATLSRedisServer(TLSRedisServer):
+    """Its own client (the start-up PING, the checks) does not verify the server: under
+    Python 3.13 the CA that signed it is refused, which only the test's client may meet."""
+
+    def client(self, **kwargs):
+        return super().client(ssl_cert_reqs="none", **kwargs)
+
+
+def _ssl_connection_takes(name):
+    from redis.connection import SSLConnection
+    return name in forkq.client._init_parameters(SSLConnection)
+
+
+@pytest.mark.timeout(30)
+def test_a_certificate_only_strict_checking_refuses_gets_a_hint_that_says_so(
+        certs_without_ca_key_usage, monkeypatch):
+    # Python 3.13 checks with VERIFY_X509_STRICT by default; older ones are asked to here
+    for name in ("FORKQ_REDIS_CA", "FORKQ_REDIS_CERT", "FORKQ_REDIS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    lax = certs_without_ca_key_usage
+    strict_by_default = bool(ssl.create_default_context().verify_flags & ssl.VERIFY_X509_STRICT)
+    if not strict_by_default and not _ssl_connection_takes("ssl_include_verify_flags"):
+        pytest.skip("neither this Python nor this redis-py checks strictly")
+    query = _query(lax) + ("" if strict_by_default else "&ssl_include_verify_flags=VERIFY_X509_STRICT")
+    with _LaxCATLSRedisServer(lax) as server:
+        with pytest.raises(forkq.RedisUnavailable) as info:
+            forkq.Client(server.url(query)).push("X", [1])
+        message = str(info.value)
+        assert "CA cert does not include key usage extension" in message  # OpenSSL's reason
+        # the CA was given: telling the user to give it sent them in circles
+        assert "give its CA" not in message
+        assert "VERIFY_X509_STRICT" in message
+        if _ssl_connection_takes("ssl_exclude_verify_flags"):
+            # the way out the hint names works
+            assert "ssl_exclude_verify_flags=VERIFY_X509_STRICT" in message
+            assert forkq.Client(server.url(
+                _query(lax) + "&ssl_exclude_verify_flags=VERIFY_X509_STRICT")).push("X", [1])
+            assert server.client().llen("queue:default") == 1
