@@ -356,9 +356,6 @@ class Supervisor:
         while self.pending_requeue:
             identity, crashed = self.pending_requeue[0]
             try:
-                if identity in self.uncounted:
-                    self.count_unflushed(identity, self.uncounted[identity])
-                    del self.uncounted[identity]
                 requeued, poisoned, suspects = requeue_owner_counts(
                     self.redis, identity, [q for q, _ in self.settings.queues],
                     crashed=crashed and self.state != "stopping", poison_after=self.settings.poison_after)
@@ -387,9 +384,27 @@ class Supervisor:
                 # suspects: how many of the requeued went to forkq:suspects:QUEUE (to run alone)
                 log.warning("requeued a child's in-flight jobs", identity=identity,
                             requeued=requeued, poisoned=poisoned, suspects=suspects)
-        if final and self.pending_requeue:
-            log.error("Redis unreachable or refusing writes: these children's jobs stay in their "
-                      "private lists for orphan recovery", identities=[i for i, _ in self.pending_requeue])
+        # then what they ran since their last flush: the jobs go back first, a round trip
+        # sooner
+        waiting = {i for i, _ in self.pending_requeue}
+        for identity in [i for i in self.uncounted if i not in waiting]:
+            try:
+                self.count_unflushed(identity, self.uncounted[identity])
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError,
+                    redis.ResponseError) as exc:
+                if isinstance(exc, redis.ResponseError) and not writes_refused(exc):
+                    raise
+                if not final:
+                    self._requeue_retry_at = time.monotonic() + 5.0
+                    why = refusal(exc) if writes_refused(exc) else "unreachable"
+                    log.warning(f"cannot count a dead child's last jobs yet: Redis {why}", error=str(exc))
+                break  # tried again with the next requeue
+            del self.uncounted[identity]
+        if final and (self.pending_requeue or self.uncounted):
+            if self.pending_requeue:
+                log.error("Redis unreachable or refusing writes: these children's jobs stay in "
+                          "their private lists for orphan recovery",
+                          identities=[i for i, _ in self.pending_requeue])
             if self.uncounted:
                 log.error("Redis unreachable or refusing writes: the jobs these children ran since "
                           "their last heartbeat are not counted in stat:processed and stat:failed",

@@ -239,7 +239,7 @@ def test_jobs_that_end_while_a_child_stops_are_counted_when_its_last_flush_is_re
                    message=f"four jobs running\n{m.tail()}")
         admin.config_set("maxmemory", "1")  # a full Redis: every write refused
         m.signal(signal.SIGHUP)  # the child stops, its jobs end after its last ping
-        wait_until(lambda: m.log_events("cannot requeue a dead child's jobs yet: Redis refuses writes"),
+        wait_until(lambda: m.log_events("cannot count a dead child's last jobs yet: Redis refuses writes"),
                    timeout=30, message=f"the master waiting for Redis to take writes\n{m.tail()}")
         assert r.llen(RUNS) == 4
         assert m.log_events("could not write final stats: Redis refuses writes")
