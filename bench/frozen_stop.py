@@ -37,11 +37,11 @@ def _runs(path: Path) -> Counter:
     return Counter(int(n) for n in path.read_text().split()) if path.exists() else Counter()
 
 
-def _wait(predicate, timeout: float) -> None:
+def _wait(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise SystemExit("timed out")
+            raise SystemExit(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(0.02)
 
 
@@ -55,7 +55,7 @@ def one_round(mode: str, jobs: int, tmp: Path) -> tuple[int, int, int]:
     with PrivateRedis() as r:
         forkq.Client(r.url).push_bulk("file.record", [[i] for i in range(jobs)], queue="file")
         first = start_master(r.url, *args, log=tmp / "first.log")
-        _wait(lambda: sum(_runs(runs_file).values()) > jobs // 8, 30)
+        _wait(lambda: sum(_runs(runs_file).values()) > jobs // 8, 60, "the first forkq to run jobs")
         os.kill(r.proc.pid, signal.SIGSTOP)
         time.sleep(0.2)  # claims and acks go out into the frozen server
         first.send_signal(signal.SIGTERM)
@@ -68,7 +68,8 @@ def one_round(mode: str, jobs: int, tmp: Path) -> tuple[int, int, int]:
                    for k in r.client.keys("forkq:inflight:*") + r.client.keys("forkq:landing:*"))
         second = start_master(r.url, *args, log=tmp / "second.log")
         try:
-            _wait(lambda: len(_runs(runs_file)) >= jobs - left and r.client.llen("queue:file") == 0, 60)
+            _wait(lambda: len(_runs(runs_file)) >= jobs - left and r.client.llen("queue:file") == 0, 120,
+                  f"the second forkq to run the rest (see {tmp / 'second.log'})")
         finally:
             stop_master(second)
     runs = _runs(runs_file)
