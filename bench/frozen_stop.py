@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -83,12 +84,13 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=4000)
     args = parser.parse_args()
     totals = Counter()
-    with tempfile.TemporaryDirectory(prefix="forkq-frozen-") as tmp:
-        for n in range(args.rounds):
-            twice, lost, left = one_round(args.mode, args.jobs, Path(tmp))
-            totals.update(twice=twice, lost=lost, left=left)
-            print(f"round {n}: {args.jobs} jobs, {twice} ran twice, {lost} never ran, "
-                  f"{left} left in private structures at the stop", flush=True)
+    tmp = tempfile.mkdtemp(prefix="forkq-frozen-")  # kept if a round fails: its logs are there
+    for n in range(args.rounds):
+        twice, lost, left = one_round(args.mode, args.jobs, Path(tmp))
+        totals.update(twice=twice, lost=lost, left=left)
+        print(f"round {n}: {args.jobs} jobs, {twice} ran twice, {lost} never ran, "
+              f"{left} left in private structures at the stop", flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
     print(f"{args.rounds} rounds ({args.mode}): {totals['twice']} ran twice, {totals['lost']} never ran, "
           f"{totals['left']} left private")
     return 1 if totals["lost"] else 0
