@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         data, table = {"stats": _stats, "queues": _queues, "processes": _processes,
                        "busy": _busy, "suspects": _suspects}[args.command](conn, args)
     except redis_errors() as exc:
-        sys.stderr.write(f"forkq: {client.unreachable(client.mask_url(url), exc)}\n")
+        sys.stderr.write(f"forkq: {client.unreachable(client.mask_url(url), exc, url)}\n")
         return 1
     except redis.RedisError as exc:
         sys.stderr.write(f"forkq: Redis at {client.mask_url(url)} answered with an error: "

@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except redis_errors() as exc:
         from .client import mask_url, redis_url, unreachable
-        sys.stderr.write(f"forkq: {unreachable(mask_url(redis_url()), exc)}\n")
+        sys.stderr.write(f"forkq: {unreachable(mask_url(redis_url()), exc, redis_url())}\n")
         return 1
     except redis.RedisError as exc:  # DB index out of range, WRONGTYPE, not a Redis server...
         sys.stderr.write(f"forkq: Redis error: {type(exc).__name__}: {exc}\n")
@@ -419,7 +419,9 @@ def warn_about_redis(settings: Settings) -> None:
     except redis.ResponseError:
         return  # CONFIG is disabled on many managed servers; nothing to learn then
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        logs.get("forkq").warning("Redis unreachable at boot; workers will retry", url=shown, error=str(exc))
+        hint = client.tls_hint(client.redis_url(settings.redis_url), {}, exc).strip(" ()")
+        logs.get("forkq").warning("Redis unreachable at boot; workers will retry", url=shown,
+                                  error=str(exc), **({"hint": hint} if hint else {}))
         return
     finally:
         conn.close()  # the master forks next: no socket of its own may cross into a child

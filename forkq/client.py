@@ -48,12 +48,13 @@ def refused_credentials(exc: BaseException) -> bool:
         isinstance(exc, redis.ResponseError) and str(exc).startswith(("WRONGPASS", "NOAUTH")))
 
 
-def unreachable(shown_url: str, exc: BaseException) -> str:
+def unreachable(shown_url: str, exc: BaseException, url: str | None = None) -> str:
     """What to say of a connection failure: redis-py files a refused password or ACL user
-    under ConnectionError too, but that Redis was reached, and the fix is the URL's."""
+    under ConnectionError too, but that Redis was reached, and the fix is the URL's. Given
+    the real `url`, a TLS failure gets tls_hint's advice, as a push's does."""
     if refused_credentials(exc):
         return f"Redis at {shown_url} refused the credentials (password or ACL user): {exc}"
-    return f"cannot reach Redis at {shown_url}: {exc}"
+    return f"cannot reach Redis at {shown_url}: {exc}{tls_hint(url, {}, exc) if url else ''}"
 
 
 def mask_url(url: str) -> str:

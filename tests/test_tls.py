@@ -222,6 +222,20 @@ def test_a_worker_without_the_client_certificate_logs_the_refusal_masked(tls_red
     text = log_path.read_text(errors="replace")
     assert "rediss://:***@127.0.0.1" in text
     assert PASSWORD not in text
+    # the advice a push gets, not only Python's bare EOF or reset
+    assert "no client certificate was given" in text
+
+
+@pytest.mark.timeout(30)
+def test_an_admin_command_without_the_client_certificate_says_so(tls_redis, certs, monkeypatch):
+    for name in ("FORKQ_REDIS_CA", "FORKQ_REDIS_CERT", "FORKQ_REDIS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    out = subprocess.run([sys.executable, "-m", "forkq", "stats", "--redis-url",
+                          tls_redis.url(_query(certs, cert=False))],
+                         capture_output=True, text=True, timeout=20)
+    assert out.returncode == 1 and out.stdout == ""
+    assert "cannot reach Redis at rediss://:***@127.0.0.1" in out.stderr
+    assert "no client certificate was given" in out.stderr and PASSWORD not in out.stderr
 
 
 @pytest.mark.timeout(20)
