@@ -277,11 +277,16 @@ def take_stdlib_logging(level: str) -> bool:
     """Route the standard library's logging into forkq's lines, unless the app set up
     logging of its own (the root logger has a handler): without this, a job's
     `logging.getLogger(__name__).info(...)` went nowhere and its warnings reached stderr
-    as bare text, with no time, pid or job. True if taken."""
+    as bare text, with no time, pid or job. True if taken.
+
+    Python's last resort, not a root handler: logging set up after the import (in an
+    on_fork hook, or on a job's first run) must still take over. With a root handler
+    in place, the app's logging.basicConfig() did nothing, and its log file was never
+    written."""
     root = logging.getLogger()
     if root.handlers:
         return False
-    root.addHandler(_ToLines())
+    logging.lastResort = _ToLines()
     if root.level == logging.WARNING:  # the default: nobody chose it
         root.setLevel(LEVELS[level])
     return True

@@ -128,6 +128,28 @@ def test_an_app_with_its_own_logging_keeps_it_and_can_add_the_job_fields(redis_u
 
 
 @pytest.mark.timeout(60)
+def test_logging_an_app_sets_up_in_an_on_fork_hook_takes_over(redis_url, tmp_path):
+    """forkq's stdlib handler sat on the root logger, so an app's logging.basicConfig()
+    after the import (in an on_fork hook, or in a job) did nothing: no log file."""
+    log, app_log = tmp_path / "forkq.log", tmp_path / "app.log"
+    env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO), APP_LOG_FILE=str(app_log))
+    proc = subprocess.Popen([sys.executable, "-m", "forkq", "start", "--processes", "1", "--require",
+                             str(REPO / "tests" / "apps" / "fork_logging_jobs.py"), "--log-format", "json",
+                             "--pidfile", str(tmp_path / "pid")],
+                            env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        jid = forkq.Client(redis_url).push("forklog.hello", [5])
+        wait_until(lambda: any(x.get("event") == "done" and x.get("jid") == jid for x in json_lines(log)),
+                   timeout=20, message="the job done")
+        assert stop_gracefully(proc) == 0
+    finally:
+        stop_gracefully(proc)
+    assert app_log.exists() and "APP slot=0 app hello 5\n" in app_log.read_text()
+    assert not any((x.get("event") or "").startswith("hello") for x in json_lines(log))
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", [["--no-fork"], ["--processes", "1"]])
 def test_stop_works_while_redis_is_unreachable(mode, tmp_path):
     """A worker booted against a Redis that is not there still obeys TERM and exits 0."""
