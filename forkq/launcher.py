@@ -66,10 +66,12 @@ class Launcher:
     def final_flush(self) -> None:
         """The last stats, leave `processes`, drop the running-jobs hash (one try)."""
         pipe = self.redis.pipeline(transaction=True)
-        self._stats(pipe)
+        # The flushed totals stay, for a minute: a heartbeat that the stop could not wait
+        # for (stuck on a frozen Redis) may land after this, and finding them gone it added
+        # its jobs again; the master, finding them, adds only what a later ping shows
+        self._stats(pipe, keys.HEARTBEAT_TTL_S)
         pipe.srem(keys.PROCESSES, self.identity)
-        # the flushed totals too: with them gone, a master finding them missing adds nothing
-        pipe.unlink(keys.workers(self.identity), keys.work(self.identity), keys.flushed(self.identity))
+        pipe.unlink(keys.workers(self.identity), keys.work(self.identity))
         pipe.execute()
         self._flushed = self._pending
 
@@ -100,7 +102,7 @@ class Launcher:
                 return
             self._stop.clear()
 
-    def _stats(self, pipe: Any) -> None:
+    def _stats(self, pipe: Any, keep_s: int = keys.FLUSHED_TTL_S) -> None:
         processed, failed = self.manager.counts()
         self._pending = (processed, failed)
         # Totals, not deltas, and the script adds only what goes beyond the totals flushed
@@ -111,7 +113,7 @@ class Launcher:
         # a NOSCRIPT could not be answered by sending the body instead.
         pipe.eval(scripts.source("flush_stats"), 5,
                   *keys.flush_stats(self.identity, datetime.now(timezone.utc).strftime("%Y-%m-%d")),
-                  processed, failed, *self._flushed, keys.FLUSHED_TTL_S, keys.STAT_DAY_TTL_S)
+                  processed, failed, *self._flushed, keep_s, keys.STAT_DAY_TTL_S)
 
     _last_cleanup = 0.0
 

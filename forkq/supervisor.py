@@ -415,8 +415,8 @@ class Supervisor:
         """Add to the stats what an exited child pinged beyond what its heartbeats flushed.
 
         The flush_stats script compares with the totals the child's own flushes recorded, so
-        a child that flushed after its last ping, or exited cleanly (its last flush removed
-        them), gets nothing added, and a heartbeat of the dead child that reaches Redis after
+        a child that flushed after its last ping, or exited cleanly (its last flush recorded
+        its final totals), gets nothing added, and a heartbeat of the dead child that reaches Redis after
         this adds only what this did not. The record is left to expire a minute later rather
         than deleted: such a late heartbeat, not finding it, would count its jobs again."""
         day = datetime.now(timezone.utc).strftime("%Y-%m-%d")

@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from datetime import datetime, timezone
 
 import pytest
+import redis
 
 import forkq
-from helpers import CommandCutter, ForkqWorker, wait_until
+from forkq.launcher import Launcher
+from forkq.manager import Manager
+from forkq.queues import QueueOrder
+from helpers import CommandCutter, CommandHolder, ForkqWorker, wait_until
 from test_supervisor import APPS, Master, start_master  # noqa: F401  (fixture)
 
 APP = APPS / "stats_jobs.py"
@@ -140,7 +145,8 @@ def test_counts_stay_exact_over_graceful_restarts_and_stops(start_master, redis_
     assert stat(r, "processed") == 6_000
     assert stat(r, "failed") == sum(1 for *_, o in ran if o == "fail") == 600
     assert day_stat(r, "processed", days) == 6_000 and day_stat(r, "failed", days) == 600
-    assert not list(r.scan_iter(match="forkq:flushed:*"))  # each clean stop removed its own
+    # each clean stop left its final totals, for a late heartbeat to find, for a minute
+    assert all(0 < r.ttl(k) <= 60 for k in r.scan_iter(match="forkq:flushed:*"))
 
 
 @pytest.mark.timeout(90)
@@ -253,4 +259,41 @@ def test_jobs_that_end_while_a_child_stops_are_counted_when_its_last_flush_is_re
         assert int(admin.get("stat:processed")) == r.llen(RUNS)
     finally:
         m.kill()
+        admin.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_heartbeat_that_reaches_redis_after_the_final_flush_adds_nothing(own_redis):
+    """A stop while Redis is frozen: the heartbeat the stop could not wait for (it joins
+    the heartbeat thread for 5 s) is stuck on its socket and reaches Redis after the final
+    flush. The final flush deleted the record of the flushed totals, so that beat added,
+    from its own older figure, the jobs the final flush had just counted."""
+    holder = CommandHolder(own_redis.port)
+    admin = own_redis.client()
+    identity = "test:1:000000000000"
+    client = redis.Redis(port=holder.port)
+    manager = Manager(lambda: client, identity, QueueOrder([("default", 0)]), concurrency=1)
+    launcher = Launcher(client, identity, manager, {"concurrency": 1}, lambda signum: None)
+    (processor,) = manager.processors
+    beat = threading.Thread(target=launcher.beat)
+    try:
+        manager.fetch.register()
+        processor.processed = 10
+        launcher.beat()
+        assert stat(admin, "processed") == 10
+        processor.processed = 30
+        holder.marker = b"forkq:alive"  # in a heartbeat's transaction, not in the final flush's
+        beat.start()
+        assert holder.holding.wait(5), "the heartbeat never went out"
+        launcher.final_flush()
+        assert stat(admin, "processed") == 30
+        holder.release.set()
+        beat.join(5)
+        assert not beat.is_alive()
+        assert stat(admin, "processed") == 30
+        assert day_stat(admin, "processed", {today()}) == 30
+    finally:
+        holder.close()
+        if beat.ident is not None:
+            beat.join(5)
         admin.close()
