@@ -66,12 +66,17 @@ class Launcher:
     def final_flush(self) -> None:
         """The last stats, leave `processes`, drop the running-jobs hash (one try)."""
         pipe = self.redis.pipeline(transaction=True)
-        # The flushed totals stay, for a minute: a heartbeat that the stop could not wait
-        # for (stuck on a frozen Redis) may land after this, and finding them gone it added
-        # its jobs again; the master, finding them, adds only what a later ping shows
-        self._stats(pipe, keys.HEARTBEAT_TTL_S)
+        gone = [keys.workers(self.identity), keys.work(self.identity)]
+        if self._thread.is_alive():
+            # a beat the stop could not wait for (stuck on a frozen Redis) may land after
+            # this: the flushed totals stay a minute, or finding them gone it would add its
+            # jobs again (the master, finding them, adds only what a later ping shows)
+            self._stats(pipe, keys.HEARTBEAT_TTL_S)
+        else:
+            self._stats(pipe)
+            gone.append(keys.flushed(self.identity))  # nothing of a stopped process stays
         pipe.srem(keys.PROCESSES, self.identity)
-        pipe.unlink(keys.workers(self.identity), keys.work(self.identity))
+        pipe.unlink(*gone)
         pipe.execute()
         self._flushed = self._pending
 

@@ -34,8 +34,12 @@ _job = threading.local()
 
 
 def set_job(jid: Any, name: str, queue: str) -> None:
-    """Mark this thread as running a job: every line it logs carries jid, class and queue."""
+    """Mark this thread as running a job: every line it logs carries jid, class and queue.
+    What a job (or its middleware) bound with structlog.contextvars is this job's only:
+    left bound, the thread's next job logged the last one's tenant, say."""
     _job.current = (jid, name, queue)
+    if _BOUND is None or _BOUND:
+        structlog.contextvars.clear_contextvars()
 
 
 def clear_job() -> None:

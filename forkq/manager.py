@@ -576,6 +576,12 @@ class Manager:
                             "runs alone", count=leftovers)
             if unit is None:
                 break
+            if self.quiet_flag:
+                # as in _too_late: claimed after quiet began, it goes back among the
+                # suspects unstarted (_give_back_unstarted knows it by self._suspect)
+                self._suspect, self._suspect_jid = unit, crash_id(unit.raw)
+                self._late.append(unit)
+                break
             ran += 1
             jid = _jid(unit.raw)
             self._suspect_jid = crash_id(unit.raw)  # its crash count's name: a jid-less job has one too
@@ -599,9 +605,9 @@ class Manager:
     def _give_back_unstarted(self) -> None:
         with self._baton:  # a processor's claim under way ends first; quiet stops the next
             pass
-        unstarted: list[Unit] = self._late
-        self._late = []
-        for u in self._handoff.drain():
+        late, self._late = self._late, []
+        unstarted: list[Unit] = []
+        for u in [*late, *self._handoff.drain()]:
             if u is None:
                 continue
             if u is self._suspect:

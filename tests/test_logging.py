@@ -107,6 +107,30 @@ def test_context_an_app_binds_with_structlog_contextvars_reaches_its_job_lines(r
 
 
 @pytest.mark.timeout(60)
+def test_context_a_job_binds_does_not_reach_the_next_jobs_lines(redis_url, tmp_path):
+    """bind_contextvars without the context manager left the value bound on the processor
+    thread, and the next job it ran logged it as its own."""
+    log = tmp_path / "forkq.log"
+    env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "forkq", "start", "--no-fork", "--concurrency", "1",
+                             "--require", str(REPO / "tests" / "apps" / "context_jobs.py"),
+                             "--log-format", "json"],
+                            env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        client = forkq.Client(redis_url)
+        client.push("context.binds", [7])
+        wait_until(lambda: _first(log, "bound leftover"), timeout=20, message="the first job's line")
+        client.push("context.plain", [8])
+        plain = wait_until(lambda: _first(log, "plain job line"), timeout=20, message="the second job's line")
+        assert stop_gracefully(proc) == 0
+    finally:
+        stop_gracefully(proc)
+    assert _first(log, "bound leftover")["leftover"] == 7
+    assert "leftover" not in plain
+
+
+@pytest.mark.timeout(60)
 def test_an_app_with_its_own_logging_keeps_it_and_can_add_the_job_fields(redis_url, tmp_path):
     log = tmp_path / "forkq.log"
     env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO))

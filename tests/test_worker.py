@@ -505,6 +505,37 @@ def test_jobs_a_stuck_claim_brings_back_after_quiet_began_are_given_back_not_run
         admin.close()
 
 
+@pytest.mark.timeout(30)
+def test_a_suspect_a_stuck_claim_brings_back_after_quiet_began_goes_back_unstarted(own_redis):
+    """As above, for the claim of a crash suspect to run alone: it was handed to the
+    processors whatever the time, and a sleeping one could start it after the stop."""
+    holder = CommandHolder(own_redis.port)
+    admin = own_redis.client()
+    identity = "test:1:000000000000"
+    manager = Manager(lambda: redis.Redis(port=holder.port), identity,
+                      QueueOrder([("default", 0)]), concurrency=2)
+    isolating = threading.Thread(target=manager._isolate)
+    try:
+        manager.fetch.register()
+        admin.lpush(keys.suspects("default"), b'{"class":"Any","args":[1],"jid":"0123456789abcdef01234567"}')
+        holder.marker = manager.fetch._claim_suspect.sha.encode()
+        isolating.start()
+        assert holder.holding.wait(5), "the suspect's claim never went out"
+        manager.quiet()  # SIGTERM arrives while the claim is stuck
+        holder.release.set()
+        isolating.join(5)
+        assert not isolating.is_alive()
+        assert manager._handoff.drain() == []  # nothing handed to a processor
+        manager._give_back_unstarted()  # the fetcher thread's part of a stop
+        assert admin.llen(keys.suspects("default")) == 1
+        assert admin.hlen(keys.inflight(identity)) == 0
+    finally:
+        holder.close()
+        if isolating.ident is not None:
+            isolating.join(5)
+        admin.close()
+
+
 @pytest.mark.timeout(20)
 def test_a_blocking_wait_whose_reply_is_lost_still_hands_over_its_job(own_redis):
     """A BLMOVE whose reply is lost has moved a job into the landing list. Sent again

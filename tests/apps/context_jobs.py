@@ -18,3 +18,15 @@ def tenant(job: dict, queue: str, call_next):
 def report(n: int) -> None:
     structlog.get_logger("app").info("report made", rows=n)
     logging.getLogger("app.std").info("stdlib report made")
+
+
+@forkq.job(name="context.binds", retry=0)
+def binds(n: int) -> None:
+    # bound without the context manager, as apps do: it must not outlive this job
+    structlog.contextvars.bind_contextvars(leftover=n)
+    structlog.get_logger("app").info("bound leftover")
+
+
+@forkq.job(name="context.plain", retry=0)
+def plain(n: int) -> None:
+    structlog.get_logger("app").info("plain job line")
