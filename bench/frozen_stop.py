@@ -49,7 +49,7 @@ def _wait(predicate, timeout: float, what: str) -> None:
 def one_round(mode: str, jobs: int, tmp: Path) -> tuple[int, int, int]:
     runs_file = tmp / "runs"
     runs_file.unlink(missing_ok=True)
-    os.environ["FORKQ_RUNS_FILE"] = str(runs_file)
+    os.environ["FILE_JOBS_RUNS"] = str(runs_file)
     args = ["--require", str(APP), "--queue", "file", "--timeout", "1", "--concurrency", "10",
             "--log-level", "warning", "--pidfile", str(tmp / "pid")]
     args += ["--no-fork"] if mode == "nofork" else ["--processes", "2"]

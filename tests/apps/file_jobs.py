@@ -1,4 +1,4 @@
-"""Jobs that record each run by appending their number to the file FORKQ_RUNS_FILE: no
+"""Jobs that record each run by appending their number to the file FILE_JOBS_RUNS: no
 Redis call inside the job, so a job's run never waits on (or is cut off by) a frozen Redis,
 and only forkq's own bookkeeping decides whether a job runs twice (bench/frozen_stop.py)."""
 
@@ -17,5 +17,5 @@ def record(n: int) -> None:
     pid = os.getpid()
     fd = _fds.get(pid)
     if fd is None:  # per process: a descriptor opened before the fork is shared
-        fd = _fds[pid] = os.open(os.environ["FORKQ_RUNS_FILE"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        fd = _fds[pid] = os.open(os.environ["FILE_JOBS_RUNS"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.write(fd, f"{n}\n".encode())  # one write under O_APPEND: lines never interleave
