@@ -1,11 +1,12 @@
 """A stop while Redis is frozen: does any job run twice, or get stranded?
 
-    python bench/frozen_stop.py [--rounds 8] [--mode fork|nofork] [--jobs 4000]
+    python bench/frozen_stop.py [--rounds 8] [--mode fork|nofork] [--jobs 4000] [--freeze 4]
 
 Each round: a private redis-server, --jobs jobs of tests/apps/file_jobs.py (they record
 their runs in a file, never in Redis), a forkq (--processes 2, or --no-fork) with
 --timeout 1 working through them; once some have run, Redis is frozen (SIGSTOP), forkq is
-sent SIGTERM, and Redis is woken 4 s later, past forkq's stop deadline. The claims, acks
+sent SIGTERM, and Redis is woken --freeze seconds later (4: past forkq's stop deadline;
+9: past the master's grace too, so it kills its children and gives up on its own requeue). The claims, acks
 and waits that were on the wire reach Redis beside the stop's final requeue. A second
 forkq then runs whatever went back. Prints, per round, the jobs run twice, the jobs never
 run and what was left in private structures; exits 1 if any job was lost.
@@ -46,7 +47,7 @@ def _wait(predicate, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def one_round(mode: str, jobs: int, tmp: Path) -> tuple[int, int, int]:
+def one_round(mode: str, jobs: int, tmp: Path, freeze: float) -> tuple[int, int, int]:
     runs_file = tmp / "runs"
     runs_file.unlink(missing_ok=True)
     os.environ["FILE_JOBS_RUNS"] = str(runs_file)
@@ -60,7 +61,7 @@ def one_round(mode: str, jobs: int, tmp: Path) -> tuple[int, int, int]:
         os.kill(r.proc.pid, signal.SIGSTOP)
         time.sleep(0.2)  # claims and acks go out into the frozen server
         first.send_signal(signal.SIGTERM)
-        time.sleep(4)
+        time.sleep(freeze)
         os.kill(r.proc.pid, signal.SIGCONT)
         code = stop_master(first, timeout=40)
         if code != 0:
@@ -82,11 +83,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--mode", choices=("fork", "nofork"), default="fork")
     parser.add_argument("--jobs", type=int, default=4000)
+    parser.add_argument("--freeze", type=float, default=4.0)
     args = parser.parse_args()
     totals = Counter()
     tmp = tempfile.mkdtemp(prefix="forkq-frozen-")  # kept if a round fails: its logs are there
     for n in range(args.rounds):
-        twice, lost, left = one_round(args.mode, args.jobs, Path(tmp))
+        twice, lost, left = one_round(args.mode, args.jobs, Path(tmp), args.freeze)
         totals.update(twice=twice, lost=lost, left=left)
         print(f"round {n}: {args.jobs} jobs, {twice} ran twice, {lost} never ran, "
               f"{left} left in private structures at the stop", flush=True)
