@@ -359,17 +359,9 @@ class Supervisor:
                 requeued, poisoned, suspects = requeue_owner_counts(
                     self.redis, identity, [q for q, _ in self.settings.queues],
                     crashed=crashed and self.state != "stopping", poison_after=self.settings.poison_after)
-            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError,
-                    redis.ResponseError) as exc:
-                # A refusal that passes (BUSY while someone's script runs, a full Redis) is
-                # waited out as an outage is: raised, it ended the master, and every child
-                # with it, at the first child death or stop that met one
-                if isinstance(exc, redis.ResponseError) and not writes_refused(exc):
-                    raise
+            except _WAITED_OUT as exc:
+                self._put_off(exc, "requeue a dead child's jobs", final)
                 if not final:
-                    self._requeue_retry_at = time.monotonic() + 5.0
-                    why = refusal(exc) if writes_refused(exc) else "unreachable"
-                    log.warning(f"cannot requeue a dead child's jobs yet: Redis {why}", error=str(exc))
                     return done
                 if time.monotonic() >= give_up:
                     break
@@ -390,14 +382,8 @@ class Supervisor:
         for identity in [i for i in self.uncounted if i not in waiting]:
             try:
                 self.count_unflushed(identity, self.uncounted[identity])
-            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError,
-                    redis.ResponseError) as exc:
-                if isinstance(exc, redis.ResponseError) and not writes_refused(exc):
-                    raise
-                if not final:
-                    self._requeue_retry_at = time.monotonic() + 5.0
-                    why = refusal(exc) if writes_refused(exc) else "unreachable"
-                    log.warning(f"cannot count a dead child's last jobs yet: Redis {why}", error=str(exc))
+            except _WAITED_OUT as exc:
+                self._put_off(exc, "count a dead child's last jobs", final)
                 break  # tried again with the next requeue
             del self.uncounted[identity]
         if final and (self.pending_requeue or self.uncounted):
@@ -410,6 +396,19 @@ class Supervisor:
                           "their last heartbeat are not counted in stat:processed and stat:failed",
                           totals=self.uncounted)
         return done
+
+    def _put_off(self, exc: BaseException, what: str, final: bool) -> None:
+        """After a requeue or count that failed (called in its except block): try again in
+        5 s, or, for `final`, leave it to the caller. A refusal that passes (BUSY while
+        someone's script runs, a full Redis) is waited out as an outage is: raised, it
+        ended the master, and every child with it, at the first child death or stop that
+        met one. Any other error reply is raised."""
+        if isinstance(exc, redis.ResponseError) and not writes_refused(exc):
+            raise
+        if not final:
+            self._requeue_retry_at = time.monotonic() + 5.0
+            why = refusal(exc) if writes_refused(exc) else "unreachable"
+            log.warning(f"cannot {what} yet: Redis {why}", error=str(exc))
 
     def count_unflushed(self, identity: str, totals: tuple[int, int]) -> None:
         """Add to the stats what an exited child pinged beyond what its heartbeats flushed.
@@ -712,6 +711,9 @@ def _report_fatal(report_w: int, exc: BaseException) -> None:
         os.write(report_w, b"E" + line.encode("utf-8", "replace") + b"\n")
     except OSError:
         pass
+
+
+_WAITED_OUT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, redis.ResponseError)
 
 
 def _parse_ping(line: bytes) -> tuple[int, tuple[int, int] | None] | None:
