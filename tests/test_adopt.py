@@ -18,12 +18,13 @@ REPO = Path(__file__).resolve().parent.parent
 APPS = REPO / "tests" / "apps"
 
 
-def _start(url: str, app: Path, out: Path, err: Path, *extra: str) -> subprocess.Popen:
+def _start(url: str, app: Path, out: Path | int, err: Path, *extra: str) -> subprocess.Popen:
+    """`forkq start` with JSON lines to `out` (a file, or subprocess.PIPE)."""
     env = dict(os.environ, FORKQ_REDIS_URL=url, PYTHONPATH=str(REPO))
     return subprocess.Popen([sys.executable, "-m", "forkq", "start", "--require", str(app),
                              "--log-format", "json", *extra],
-                            env=env, cwd=REPO, stdout=open(out, "w"), stderr=open(err, "w"),
-                            start_new_session=True)
+                            env=env, cwd=REPO, stdout=open(out, "w") if isinstance(out, Path) else out,
+                            stderr=open(err, "w"), start_new_session=True)
 
 
 def _event(path: Path, event: str) -> dict | None:
@@ -83,12 +84,8 @@ def test_jobs_keep_running_when_stdout_can_no_longer_be_written(mode, redis_url,
     # with it (a job's `fail` line is written at once), the worker went on heartbeating
     # with no thread left to run jobs, and the master died at its next line.
     err = tmp_path / "err.log"
-    env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "forkq", "start", "--require",
-                             str(APPS / "adopt_jobs.py"), "--log-format", "json",
-                             "--concurrency", "2", "--pidfile", str(tmp_path / "pid"), *mode],
-                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=open(err, "w"),
-                            start_new_session=True)
+    proc = _start(redis_url, APPS / "adopt_jobs.py", subprocess.PIPE, err,
+                  "--concurrency", "2", "--pidfile", str(tmp_path / "pid"), *mode)
     try:
         while b"worker started" not in proc.stdout.readline():
             assert proc.poll() is None, err.read_text()
