@@ -288,6 +288,11 @@ class ReliableFetch:
     def pending_acks(self) -> int:
         return len(self._acks)
 
+    def unsent_acks(self) -> list[str]:
+        """The in-flight fields of finished jobs whose delete may not have reached Redis:
+        those on a claim still waiting for its reply, and those not sent yet."""
+        return self._sending + list(self._acks)  # each copied whole, under the GIL
+
     def _take_acks(self, limit: int) -> list[str]:
         acks = self._acks
         out = []

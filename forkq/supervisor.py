@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import gc
+import json
 import os
 import resource
 import select
@@ -60,6 +61,7 @@ class Child:
     stopping_since: float | None = None   # told to stop (recycle) at this monotonic time
     reason: str = ""                       # why the master ended it: memory, hang, restart
     fatal: str = ""                        # the error it reported just before dying
+    finished: list[str] = field(default_factory=list)  # in-flight fields of jobs it finished
     buffer: bytes = b""
 
 
@@ -89,6 +91,9 @@ class Supervisor:
         self.stop_deadline = 0.0
         self.recycle: list[int] = []       # slots queued for a rolling restart (HUP)
         self.pending_requeue: list[tuple[str, bool]] = []
+        # identity -> in-flight fields of jobs a stopping child finished but may not have
+        # acknowledged in Redis: deleted before its requeue, which would run them again
+        self.finished: dict[str, list[str]] = {}
         # identity -> the totals a child that exited last pinged, until they are in the stats
         self.uncounted: dict[str, tuple[int, int]] = {}
         self.stats = Stats()
@@ -241,8 +246,9 @@ class Supervisor:
     # -- children -------------------------------------------------------------------------
     def read_report(self, child: Child) -> bool:
         """Read what the child wrote: "B<busy> <processed> <failed>" pings (or "B<busy>"),
-        "Q"/"T" quiet or stop asked through Redis, "E<error>" before it dies, or "M<json>"
-        metrics deltas (--metrics-port)."""
+        "Q"/"T" quiet or stop asked through Redis, "A<json list>" finished jobs' in-flight
+        fields as it stops, "E<error>" before it dies, or "M<json>" metrics deltas
+        (--metrics-port)."""
         try:
             data = os.read(child.report_r, 4096)
         except (BlockingIOError, InterruptedError):
@@ -269,6 +275,8 @@ class Supervisor:
             elif line == b"T":
                 log.info("stop requested through Redis", slot=child.slot, child_pid=child.pid)
                 self.handle_stop(signal.SIGTERM)
+            elif line.startswith(b"A"):
+                child.finished.extend(_parse_acks(line))
             elif line.startswith(b"E"):
                 child.fatal = line[1:].decode("utf-8", "replace")
             elif line.startswith(b"M") and self.metrics is not None:
@@ -315,6 +323,8 @@ class Supervisor:
             # what it ran since its last flush, counted with the requeue: a crash left it
             # unflushed; after a clean exit whose last flush went through, nothing is added
             self.uncounted[child.identity] = child.totals
+        if child.finished:
+            self.finished[child.identity] = child.finished
         # its private jobs go back before anything else happens to the slot
         self.pending_requeue.append((child.identity, crashed))
         held = self.requeue_pending().get(child.identity, (0, 0))
@@ -356,6 +366,10 @@ class Supervisor:
         while self.pending_requeue:
             identity, crashed = self.pending_requeue[0]
             try:
+                if finished := self.finished.get(identity):
+                    for i in range(0, len(finished), 4000):
+                        self.redis.hdel(keys.inflight(identity), *finished[i:i + 4000])
+                    del self.finished[identity]
                 requeued, poisoned, suspects = requeue_owner_counts(
                     self.redis, identity, [q for q, _ in self.settings.queues],
                     crashed=crashed and self.state != "stopping", poison_after=self.settings.poison_after)
@@ -723,6 +737,17 @@ def _parse_ping(line: bytes) -> tuple[int, tuple[int, int] | None] | None:
     if len(fields) not in (1, 3) or not all(f.isdigit() for f in fields):
         return None
     return int(fields[0]), ((int(fields[1]), int(fields[2])) if len(fields) == 3 else None)
+
+
+def _parse_acks(line: bytes) -> list[str]:
+    """The fields of an "A<json list>" line; none from a line that is not one."""
+    try:
+        tokens = json.loads(line[1:])
+    except ValueError:
+        return []
+    if not isinstance(tokens, list):
+        return []
+    return [t for t in tokens if isinstance(t, str)]
 
 
 def _make_room_for_pipes(processes: int) -> tuple[int, int]:

@@ -9,6 +9,7 @@ means the master is gone: the child stops gracefully on its own.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -51,6 +52,7 @@ class Worker:
         os.set_blocking(self._cmd_w, False)
         self.stopping = False
         self.metrics: DeltaReporter | None = None
+        self._handed: set[str] = set()  # acks already told to the master (_hand_over_acks)
 
     def connect(self) -> redis.Redis:
         # socket_timeout bounds a command when Redis stops answering (paused, cut); a
@@ -186,6 +188,7 @@ class Worker:
         self.manager.quiet()
         self.scheduler.stop()
         finished = self.manager.stop(deadline)
+        self._hand_over_acks()  # before any stop-time write that a frozen Redis could hold
         if not finished:
             log.warning("jobs still running at the timeout; putting them back on their queues",
                         busy=self.manager.busy())
@@ -223,6 +226,7 @@ class Worker:
         return 1 if self.manager.lost_thread else 0
 
     def _requeue_all(self) -> int:
+        self._hand_over_acks()
         try:
             return self.manager.write(self._requeue_once, patient=True)
         except REDIS_ERRORS:
@@ -236,6 +240,41 @@ class Worker:
                       "structures until the supervisor or orphan recovery puts them back",
                       error=str(exc))
             return 0
+
+    def _hand_over_acks(self) -> None:
+        """Tell the master which in-flight entries are finished jobs, before our own flush.
+
+        With Redis frozen past the stop's grace, the flush (or the claim carrying those
+        acks) is still stuck when the master kills us, and its requeue of our hash, once
+        Redis wakes, would run those jobs again. The master deletes these entries first.
+        Lines stay under PIPE_BUF, so each one arrives whole or not at all; a full pipe
+        loses only this safeguard, not a job."""
+        if self.report_fd is None:
+            return
+        chunk: list[str] = []
+        size = 0
+        for token in self.manager.fetch.unsent_acks():
+            if token in self._handed:
+                continue
+            self._handed.add(token)
+            cost = len(json.dumps(token)) + 2
+            if cost > 3000:
+                continue  # a queue name of kilobytes: its job may run again, as after a crash
+            chunk.append(token)
+            size += cost
+            if size > 3000:
+                if not self._send_acks(chunk):
+                    return
+                chunk, size = [], 0
+        if chunk:
+            self._send_acks(chunk)
+
+    def _send_acks(self, tokens: list[str]) -> bool:
+        try:
+            os.write(self.report_fd, b"A" + json.dumps(tokens).encode() + b"\n")  # type: ignore[arg-type]
+            return True
+        except OSError:
+            return False
 
     def _requeue_once(self) -> int:
         self.manager.fetch.flush_acks()

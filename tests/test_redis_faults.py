@@ -3,6 +3,7 @@ and warns at boot when Redis may evict jobs."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -195,3 +196,43 @@ def test_a_frozen_redis_at_stop_holds_the_master_for_seconds_not_minutes(own_red
 
 def _seconds(stamp: str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+@pytest.mark.timeout(90)
+def test_jobs_a_child_finished_while_redis_was_frozen_past_the_grace_do_not_run_again(own_redis, tmp_path):
+    """Redis frozen through a whole stop: the child's acks never leave it (its claim and
+    its flush are stuck), the master kills it at --timeout plus the grace, and once Redis
+    wakes the master's requeue of its hash put the jobs it had finished back on the queue,
+    to run a second time. The child now tells the master which entries are finished."""
+    runs = tmp_path / "runs"
+    env = dict(os.environ, FORKQ_REDIS_URL=own_redis.url, PYTHONPATH=str(REPO),
+               FILE_JOBS_RUNS=str(runs))
+    log = tmp_path / "log"
+    r = own_redis.client()
+    total = 3000
+    forkq.Client(own_redis.url).push_bulk("file.record", [[i] for i in range(total)], queue="file")
+    master = subprocess.Popen(
+        [sys.executable, "-m", "forkq", "start", "--require", str(REPO / "tests" / "apps" / "file_jobs.py"),
+         "--queue", "file", "--processes", "1", "--concurrency", "10", "--timeout", str(STOP_TIMEOUT),
+         "--log-format", "json", "--pidfile", str(tmp_path / "pid")],
+        env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: runs.exists() and runs.stat().st_size > 1000, timeout=30,
+                   message="the first jobs to run")
+        own_redis.pause()
+        master.send_signal(signal.SIGTERM)
+        wait_until(lambda: "did not stop in time" in log.read_text(), timeout=30,
+                   message="the master to kill its child")
+        own_redis.resume()
+        assert master.wait(60) == 0
+    finally:
+        own_redis.resume()
+        if master.poll() is None:
+            os.killpg(master.pid, signal.SIGKILL)
+            master.wait()
+    ran = [int(n) for n in runs.read_text().split()]
+    assert len(ran) == len(set(ran)), "a job ran twice within the stop"
+    queued = {json.loads(raw)["args"][0] for raw in r.lrange("queue:file", 0, -1)}
+    assert not queued & set(ran), f"{len(queued & set(ran))} finished jobs went back to run again"
+    assert queued | set(ran) == set(range(total)), "a job was lost"
+    assert _private(r) == []
