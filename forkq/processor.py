@@ -68,6 +68,19 @@ def _leave_copy(exc: BaseException | None) -> None:
     os._exit(code)
 
 
+def run_job(fn: Callable[..., Any], job: dict[str, Any], queue: str) -> Any:
+    """Call a job's function with its args, through the registered server middleware."""
+    chain = hooks.SERVER_MIDDLEWARE
+    if not chain:
+        return fn(*job["args"])
+
+    def call(i: int) -> Any:
+        if i == len(chain):
+            return fn(*job["args"])
+        return chain[i](job, queue, lambda: call(i + 1))
+    return call(0)
+
+
 class Processor:
     def __init__(self, manager: "Manager", index: int, outcomes: Outcomes) -> None:
         self.manager = manager
@@ -195,16 +208,7 @@ class Processor:
             log.info("done", elapsed_ms=round((time.perf_counter() - started) * 1000, 2))
         return True
 
-    def _run(self, fn: Callable[..., Any], job: dict[str, Any], queue: str) -> Any:
-        chain = hooks.SERVER_MIDDLEWARE
-        if not chain:
-            return fn(*job["args"])
-
-        def call(i: int) -> Any:
-            if i == len(chain):
-                return fn(*job["args"])
-            return chain[i](job, queue, lambda: call(i + 1))
-        return call(0)
+    _run = staticmethod(run_job)  # a bound method would cost a call more per job
 
     def _malformed(self, unit: Unit, reason: str) -> bool:
         # parked on a queue nobody serves, like the scheduler's and the Lua scripts' malformed

@@ -1,0 +1,161 @@
+"""Test mode for an app's own tests: pushes kept in memory, or jobs run at once, no Redis.
+
+    from forkq import testing
+
+    def test_signup():
+        with testing.fake() as jobs:        # pushes are recorded here, not sent
+            signup("ann@example.com")
+            assert jobs.args(send_welcome) == [[42, "en"]]
+            jobs.drain()                     # runs them here, and what they enqueue
+
+    def test_signup_end_to_end():
+        with testing.inline():               # each push runs its job before returning
+            signup("ann@example.com")
+
+A push in either mode goes through what a real one does before it reaches Redis, so a test
+fails where production would: the arguments are checked (JSON-native values only), client
+middleware runs, and the payload is encoded to Sidekiq's JSON and decoded again, so a job
+gets its own copy of what a worker would get. A job runs through the registered server
+middleware, in the calling thread, and its exception reaches the test: there is no retry.
+The mode holds for the whole process (every Client, every thread) until the `with` ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from . import client, payload
+from .errors import UnknownJob
+from .jobs import Job, lookup
+from .processor import run_job
+
+_lock = threading.Lock()
+
+
+def _name(job: Job | str) -> str:
+    return job if isinstance(job, str) else job.name
+
+
+class FakeJobs:
+    """The jobs pushed while `fake()` is on: Sidekiq payload dicts, oldest first.
+
+    A scheduled job (`enqueue_in`, `enqueue_at`, a push with `at=`) carries its run time
+    in epoch seconds under "at", as Sidekiq's test mode shows it; it is never in Redis's
+    payload."""
+
+    def __init__(self) -> None:
+        self.jobs: list[dict[str, Any]] = []
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(list(self.jobs))
+
+    def of(self, job: Job | str) -> list[dict[str, Any]]:
+        """The pushes of one job (the Job, or its registered name)."""
+        name = _name(job)
+        return [j for j in self.jobs if j["class"] == name]
+
+    def args(self, job: Job | str) -> list[list[Any]]:
+        """Each push's arguments, for one job, as a worker would receive them."""
+        return [j["args"] for j in self.of(job)]
+
+    def queue(self, name: str) -> list[dict[str, Any]]:
+        return [j for j in self.jobs if j["queue"] == name]
+
+    def clear(self) -> None:
+        with _lock:
+            self.jobs.clear()
+
+    def drain(self, job: Job | str | None = None, *, limit: int = 10_000) -> int:
+        """Run the recorded jobs (or one job's) oldest first, scheduled ones too, and any
+        they push meanwhile, until none are left; return how many ran.
+
+        A job that raises is taken off the list first, and its exception propagates: the
+        ones after it stay for the next drain. More than `limit` runs means jobs that keep
+        pushing each other: RuntimeError, rather than a test that never ends."""
+        name = None if job is None else _name(job)
+        ran = 0
+        while True:
+            with _lock:
+                i = next((i for i, j in enumerate(self.jobs) if name is None or j["class"] == name), None)
+                if i is None:
+                    return ran
+                if ran >= limit:
+                    raise RuntimeError(f"drain ran {limit} jobs and more keep coming: do the "
+                                       "jobs push each other without end? (raise limit= if not)")
+                entry = self.jobs.pop(i)
+            ran += 1
+            _run(entry)
+
+    def _record(self, jobs: list[dict[str, Any]], at: float | None) -> None:
+        with _lock:
+            for j in jobs:
+                if at is not None:
+                    j["at"] = at
+                self.jobs.append(j)
+
+
+def _run(job: dict[str, Any]) -> None:
+    entry = {k: v for k, v in job.items() if k != "at"}
+    jobdef = lookup(entry["class"])
+    if jobdef is None:
+        raise UnknownJob(f"no job named {entry['class']!r} is registered (is its module imported?)")
+    run_job(jobdef.fn, entry, entry["queue"])
+
+
+def _round_trip(jobs: list[dict[str, Any]], at: float | None,
+                encode: Callable[[dict[str, Any]], Any]) -> list[dict[str, Any]]:
+    """The payloads as a worker would read them back, after the checks a push makes."""
+    now = time.time()
+    out = []
+    for j in jobs:
+        payload.check_queue(j.get("queue", "default"))
+        if at is None:
+            j["enqueued_at"] = now
+        out.append(payload.parse(encode(j)))
+    return out
+
+
+@contextlib.contextmanager
+def fake() -> Iterator[FakeJobs]:
+    """Record every push in the returned FakeJobs instead of sending it to Redis."""
+    recorded = FakeJobs()
+
+    def push(jobs: list[dict[str, Any]], at: float | None, encode: Callable[[dict[str, Any]], Any]) -> list[str]:
+        decoded = _round_trip(jobs, at, encode)
+        recorded._record(decoded, at)
+        return [j["jid"] for j in decoded]
+
+    with _mode(push):
+        yield recorded
+
+
+@contextlib.contextmanager
+def inline() -> Iterator[None]:
+    """Run each pushed job at once, in the pushing thread, before the push returns;
+    scheduled ones too, whatever their time. A job's exception propagates to the push."""
+
+    def push(jobs: list[dict[str, Any]], at: float | None, encode: Callable[[dict[str, Any]], Any]) -> list[str]:
+        decoded = _round_trip(jobs, at, encode)
+        for j in decoded:
+            _run(j)
+        return [j["jid"] for j in decoded]
+
+    with _mode(push):
+        yield
+
+
+@contextlib.contextmanager
+def _mode(push: client.TestPush) -> Iterator[None]:
+    previous = client.test_push
+    client.test_push = push
+    try:
+        yield
+    finally:
+        client.test_push = previous
