@@ -13,10 +13,10 @@ from .errors import (ConfigError, ForkqError, MalformedPayload, PartialEnqueue, 
                      UnknownJob)
 from .jobs import Job, job
 from .hooks import on_fork, server_middleware, slot_index
-from .logs import JobFields
+from .logs import JobFields, current_job
 
 __all__ = [
     "Client", "ConfigError", "ForkqError", "Job", "JobFields", "MalformedPayload", "PartialEnqueue", "RedisUnavailable",
-    "UnknownJob", "configure", "default_client", "job", "on_fork", "server_middleware", "slot_index",
+    "UnknownJob", "configure", "current_job", "default_client", "job", "on_fork", "server_middleware", "slot_index",
 ]
 __version__ = "0.1.0"

@@ -33,17 +33,25 @@ def _add_process(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, A
 _job = threading.local()
 
 
-def set_job(jid: Any, name: str, queue: str) -> None:
-    """Mark this thread as running a job: every line it logs carries jid, class and queue.
-    What a job (or its middleware) bound with structlog.contextvars is this job's only:
-    left bound, the thread's next job logged the last one's tenant, say."""
-    _job.current = (jid, name, queue)
+def set_job(jid: Any, name: str, queue: str, job: dict[str, Any] | None = None) -> None:
+    """Mark this thread as running a job: every line it logs carries jid, class and queue,
+    and forkq.current_job() returns its payload. What a job (or its middleware) bound with
+    structlog.contextvars is this job's only: left bound, the thread's next job logged the
+    last one's tenant, say."""
+    _job.current = (jid, name, queue, job)
     if _BOUND is None or _BOUND:
         structlog.contextvars.clear_contextvars()
 
 
 def clear_job() -> None:
     _job.current = None
+
+
+def current_job() -> dict[str, Any] | None:
+    """The payload of the job this thread is running (jid, args, retry_count once it
+    failed before...), as the processor and server middleware see it; None outside a job."""
+    current = getattr(_job, "current", None)
+    return current[3] if current is not None else None
 
 
 def _add_job(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:

@@ -147,7 +147,7 @@ class Processor:
         name = job["class"]
         jobdef = lookup(name)
         self.current = (unit.queue, unit.raw, time.time())
-        logs.set_job(job.get("jid"), payload.display_name(job), unit.queue)
+        logs.set_job(job.get("jid"), payload.display_name(job), unit.queue, job)
         try:
             acked = self._perform(unit, job, name, jobdef)
         finally:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import client, payload
+from . import client, logs, payload
 from .errors import UnknownJob
 from .jobs import Job, lookup
 from .processor import run_job
@@ -106,7 +106,13 @@ def _run(job: dict[str, Any]) -> None:
     jobdef = lookup(entry["class"])
     if jobdef is None:
         raise UnknownJob(f"no job named {entry['class']!r} is registered (is its module imported?)")
-    run_job(jobdef.fn, entry, entry["queue"])
+    # inline, a job's push runs the next job inside it: the outer one is current again after
+    outer = getattr(logs._job, "current", None)
+    logs.set_job(entry.get("jid"), payload.display_name(entry), entry["queue"], entry)
+    try:
+        run_job(jobdef.fn, entry, entry["queue"])
+    finally:
+        logs._job.current = outer
 
 
 def _round_trip(jobs: list[dict[str, Any]], at: float | None,

@@ -172,3 +172,22 @@ def test_pushes_from_other_threads_are_recorded():
         for t in threads:
             t.join(10)
     assert len(jobs) == 200 and len({j["jid"] for j in jobs}) == 200
+
+
+@forkq.job(name="testing.who_am_i", client=forkq.Client(NOWHERE))
+def who_am_i(inner):
+    job = forkq.current_job()
+    ran.append(("before", job["jid"], job["args"]))
+    if inner:
+        who_am_i.enqueue(False)
+    ran.append(("after", forkq.current_job()["jid"]))
+
+
+def test_a_job_reads_its_own_payload_with_current_job():
+    assert forkq.current_job() is None
+    with testing.inline():
+        outer = who_am_i.enqueue(True)
+    assert forkq.current_job() is None
+    (_, jid1, args1), (_, jid2, args2), (_, after_inner), (_, after_outer) = ran
+    assert (jid1, args1, after_outer) == (outer, [True], outer)
+    assert jid2 == after_inner != outer and args2 == [False]

@@ -63,6 +63,15 @@ def test_runs_queued_jobs_once_each_and_acks_them(workers, forkq_client, r):
 
 
 @pytest.mark.timeout(30)
+def test_a_job_reads_its_own_payload_with_current_job(workers, forkq_client, r):
+    jid = core_jobs.whoami.enqueue("me")
+    worker = workers(concurrency=2)
+    first, again = wait_records(r, 2, worker, kind="whoami")
+    assert first["jid"] == again["jid"] == jid
+    assert (first["retry_count"], again["retry_count"]) == (None, 0)  # its retry knows it is one
+
+
+@pytest.mark.timeout(30)
 def test_idle_threads_keep_taking_jobs_while_one_runs_a_long_job(workers, forkq_client, r):
     """Processors claim for themselves as they finish: the two threads left beside a long
     job must work through every short job while it still runs, batch after batch."""

@@ -110,6 +110,15 @@ def fail_twice(tag):
     raise ValueError(f"twice {tag}")
 
 
+@forkq.job(retry=1, retry_in=lambda count, exc: 0)
+def whoami(tag):
+    """Records what forkq.current_job() tells it; its first run fails, so it runs twice."""
+    job = forkq.current_job()
+    note("whoami", tag, jid=job["jid"], retry_count=job.get("retry_count"))
+    if "retry_count" not in job:
+        raise RuntimeError("the first run fails")
+
+
 @forkq.job(retry=0, dead=False, retries_exhausted=_exhausted)
 def fail_no_dead(tag):
     note("fail", tag)

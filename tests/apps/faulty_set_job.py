@@ -9,10 +9,10 @@ from forkq import logs
 _set_job = logs.set_job
 
 
-def _faulty_set_job(jid, name, queue):
+def _faulty_set_job(jid, name, queue, job=None):
     if queue == "faulty":
         raise RuntimeError("a fault in forkq, outside the job")
-    _set_job(jid, name, queue)
+    _set_job(jid, name, queue, job)
 
 
 logs.set_job = _faulty_set_job
