@@ -209,14 +209,17 @@ class ReliableFetch:
         token = str(self._next_token)
         self._next_token += 1
         order = self.order()
+        self._sending = acks  # as in fetch(): a stop's flush deletes them too
         try:
             flat = self._claim_suspect(
                 keys=[self.inflight_key, *[self.suspect_keys[q] for q in order]],
                 args=[token, len(acks), len(cleared), keys.CRASH_PREFIX, keys.SUSPECTS_PREFIX,
                       *acks, *cleared, *order])
         except Exception:
+            self._sending = []
             self._acks.extendleft(reversed(acks))
             raise
+        self._sending = []
         del self._cleared[:len(cleared)]
         leftovers = int(flat[0])
         if len(flat) == 1:

@@ -444,6 +444,32 @@ def test_the_final_requeue_keeps_out_finished_jobs_whose_acks_ride_a_stuck_claim
 
 
 @pytest.mark.timeout(20)
+def test_the_final_requeue_keeps_out_finished_jobs_whose_acks_ride_a_stuck_suspect_claim(own_redis):
+    """As above, for the claim of a crash suspect to run alone, which carries acks too."""
+    holder = CommandHolder(own_redis.port)
+    admin = own_redis.client()
+    fetch = ReliableFetch(redis.Redis(port=holder.port), "test:1:000000000000",
+                          QueueOrder([("default", 0)]))
+    stuck = threading.Thread(target=fetch.claim_suspect)
+    try:
+        fetch.register()
+        forkq.Client(own_redis.url).push_bulk("Any", [[i] for i in range(3)])
+        for unit in fetch.fetch(3):
+            fetch.ack(unit.token)
+        holder.marker = fetch._claim_suspect.sha.encode()
+        stuck.start()
+        assert holder.holding.wait(5)
+        requeued, _ = fetch.requeue_all()  # what a stop does once its deadline passed
+        assert requeued == 0
+        assert admin.llen("queue:default") == 0
+    finally:
+        holder.close()
+        if stuck.ident is not None:  # started
+            stuck.join(5)
+        admin.close()
+
+
+@pytest.mark.timeout(20)
 def test_the_final_requeue_waits_for_a_stuck_flush_of_acks(own_redis):
     """As above, for acks a quiet process flushes on their own (no claims then): the
     flush's HDEL stuck on a frozen Redis, the final requeue sent beside it put its
