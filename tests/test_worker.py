@@ -405,10 +405,12 @@ def test_a_fetch_sent_again_after_a_lost_reply_claims_nothing_twice(own_redis):
 
 
 @pytest.mark.timeout(20)
-def test_the_final_requeue_keeps_out_finished_jobs_whose_acks_ride_a_stuck_claim(own_redis):
-    """A stop while Redis is frozen: a claim carrying finished jobs' acks is stuck on its
-    socket, and the final requeue, sent later on another connection, can reach Redis
-    first. It put those finished jobs back on their queue, to run a second time."""
+@pytest.mark.parametrize("script", ["_fetch", "_claim_suspect"])
+def test_the_final_requeue_keeps_out_finished_jobs_whose_acks_ride_a_stuck_claim(own_redis, script):
+    """A stop while Redis is frozen: a claim carrying finished jobs' acks (an ordinary one,
+    or a crash suspect's to run alone) is stuck on its socket, and the final requeue, sent
+    later on another connection, can reach Redis first. It put those finished jobs back on
+    their queue, to run a second time."""
     holder = CommandHolder(own_redis.port)
     admin = own_redis.client()
     identity = "test:1:000000000000"
@@ -417,7 +419,7 @@ def test_the_final_requeue_keeps_out_finished_jobs_whose_acks_ride_a_stuck_claim
 
     def claim() -> None:
         try:
-            fetch.fetch(1)
+            fetch.fetch(1) if script == "_fetch" else fetch.claim_suspect()
         except BaseException as exc:  # reported below, not lost in the thread
             caught.append(exc)
 
@@ -429,7 +431,7 @@ def test_the_final_requeue_keeps_out_finished_jobs_whose_acks_ride_a_stuck_claim
         assert len(finished) == 3
         for unit in finished:
             fetch.ack(unit.token)
-        holder.marker = fetch._fetch.sha.encode()
+        holder.marker = getattr(fetch, script).sha.encode()
         stuck.start()
         assert holder.holding.wait(5)
         requeued, _ = fetch.requeue_all()  # what a stop does once its deadline passed
@@ -441,32 +443,6 @@ def test_the_final_requeue_keeps_out_finished_jobs_whose_acks_ride_a_stuck_claim
             stuck.join(5)
         admin.close()
     assert caught == []
-
-
-@pytest.mark.timeout(20)
-def test_the_final_requeue_keeps_out_finished_jobs_whose_acks_ride_a_stuck_suspect_claim(own_redis):
-    """As above, for the claim of a crash suspect to run alone, which carries acks too."""
-    holder = CommandHolder(own_redis.port)
-    admin = own_redis.client()
-    fetch = ReliableFetch(redis.Redis(port=holder.port), "test:1:000000000000",
-                          QueueOrder([("default", 0)]))
-    stuck = threading.Thread(target=fetch.claim_suspect)
-    try:
-        fetch.register()
-        forkq.Client(own_redis.url).push_bulk("Any", [[i] for i in range(3)])
-        for unit in fetch.fetch(3):
-            fetch.ack(unit.token)
-        holder.marker = fetch._claim_suspect.sha.encode()
-        stuck.start()
-        assert holder.holding.wait(5)
-        requeued, _ = fetch.requeue_all()  # what a stop does once its deadline passed
-        assert requeued == 0
-        assert admin.llen("queue:default") == 0
-    finally:
-        holder.close()
-        if stuck.ident is not None:  # started
-            stuck.join(5)
-        admin.close()
 
 
 @pytest.mark.timeout(20)
