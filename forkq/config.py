@@ -157,7 +157,7 @@ class Option:
 OPTIONS = [
     Option("--require", "require", text, "dotted module or .py file that defines jobs (repeatable)",
            "-r", repeat=True, metavar="MODULE_OR_PATH"),
-    Option("--processes", "processes", at_most(1024), "child processes to fork (default: CPU count)", "-p"),
+    Option("--processes", "processes", at_most(1024), "child processes to fork (default: the CPUs this process may use, affinity and cgroup limit)", "-p"),
     Option("--concurrency", "concurrency", at_most(1000), "processor threads per process (default 10)", "-c"),
     Option("--queue", "queues", queue, "queue to work, NAME or NAME,WEIGHT (repeatable; default: default)",
            "-q", repeat=True, metavar="NAME[,WEIGHT]", nonempty=True),

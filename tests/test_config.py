@@ -528,3 +528,55 @@ def test_print_config_masks_a_password_given_in_the_query_string(tmp_path, start
     out = start_inproc(env={"FORKQ_REDIS_URL": f"redis://127.0.0.1:6399/0?password={SECRET}"})
     parse_config(out)
     assert SECRET not in out.stdout + out.stderr
+
+
+# -- the default --processes -------------------------------------------------------------
+
+
+def _cgroup(tmp_path: Path, self_cgroup: str, files: dict[str, str]) -> tuple[str, str]:
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    listing = tmp_path / "self_cgroup"
+    listing.write_text(self_cgroup)
+    return str(root), str(listing)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("listing, files, quota", [
+    # v2: the pod's limit binds though the container's own says "max"
+    ("0::/kubepods/pod1/ctr\n", {"kubepods/pod1/cpu.max": "150000 100000\n",
+                                 "kubepods/pod1/ctr/cpu.max": "max 100000\n"}, 1.5),
+    # v2 inside a container: its cgroup is mounted as the root, listed as "/"
+    ("0::/\n", {"cpu.max": "50000 100000\n"}, 0.5),
+    # v2 listed under a path the container's mount does not have: the mount's own counts
+    ("0::/system.slice/docker-abc.scope\n", {"cpu.max": "200000 100000\n"}, 2.0),
+    # v1, hybrid with a v2 line that limits nothing
+    ("4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/\n",
+     {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "300000\n",
+      "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n"}, 3.0),
+    ("3:cpu,cpuacct:/\n", {"cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
+                           "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, None),
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+    ("0::/\n", {"cpu.max": "a quarter\n"}, None),
+    ("0::/\n", {}, None),
+])
+def test_the_cgroup_cpu_quota_is_read_from_v1_and_v2(tmp_path, listing, files, quota):
+    from forkq.settings import cgroup_cpu_quota, usable_cpus
+    root, self_cgroup = _cgroup(tmp_path, listing, files)
+    assert cgroup_cpu_quota(root, self_cgroup) == quota
+    cpus = len(os.sched_getaffinity(0))
+    expected = cpus if quota is None else min(cpus, max(1, -(-quota // 1)))
+    assert usable_cpus(root, self_cgroup) == expected
+
+
+@pytest.mark.timeout(20)
+def test_the_default_processes_follow_the_cpus_this_process_may_use(tmp_path):
+    """os.cpu_count() counts the machine: under taskset, a cpuset or a container's CPU
+    limit, forkq forked a child per core it could not use."""
+    one = min(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-m", "forkq", "start", "--print-config"],
+                         cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=20,
+                         stdin=subprocess.DEVNULL, preexec_fn=lambda: os.sched_setaffinity(0, {one}))
+    assert parse_config(out)["processes"] == (1, "default")
