@@ -17,6 +17,14 @@ STAT_FAILED = "stat:failed"
 # {"queues": [...], "host": ..., "pid": ..., "master": ...}. A supervisor or another
 # host finds every private structure through this hash, never through KEYS or SCAN.
 OWNERS = "forkq:owners"
+# Stray recovery (strays.py): a pass's SCAN cursor while one is under way, a key whose
+# expiry is the rest until the next pass, identities seen holding private structures
+# without an owners entry (identity -> JSON), and the lock one master holds per slice.
+# None starts with "forkq:i" or "forkq:l", so the scan's MATCH never returns them.
+STRAYS_CURSOR = "forkq:strays:cursor"
+STRAYS_REST = "forkq:strays:rest"
+STRAYS_SEEN = "forkq:strays:seen"
+STRAYS_LOCK = "forkq:strays:lock"
 CRASH_PREFIX = "forkq:crashes:"
 # Jobs that were in flight in a process that died, waiting to run one at a time, each alone
 # in its process, so a crash while one runs counts against that job only. One list per

@@ -16,14 +16,25 @@
 -- KEYS[1] in-flight hash, KEYS[2] owners registry, KEYS[3..] landing lists
 -- ARGV[1] identity, ARGV[2] crashed (1: count each in-flight job as a suspect in the death)
 -- ARGV[3] crashes that make a job poison, ARGV[4] now, ARGV[5] crash-count key prefix,
--- ARGV[6] suspects-list key prefix, ARGV[7..] the queue name of each landing list
+-- ARGV[6] suspects-list key prefix, ARGV[7] '' or, for a stray (forkq/strays.py), the most
+-- time (ms) its alive key may have left for the process to count as silent,
+-- ARGV[8..] the queue name of each landing list
 -- Returns {requeued, poisoned, suspects}: requeued counts every job put back to run again,
--- the suspects among them included.
+-- the suspects among them included; {-1, 0, 0} when a stray's process is registered or
+-- has beaten since (it is alive: nothing is touched).
 --#include entry
+if ARGV[7] ~= '' then
+  -- checked here, in the same call as the requeue: checked before it, a beat in between
+  -- would re-register a live process that this call then unregisters and robs
+  if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1
+      or redis.call('PTTL', 'forkq:alive:' .. ARGV[1]) > tonumber(ARGV[7]) then
+    return {-1, 0, 0}
+  end
+end
 local requeued, poisoned = 0, 0
 local suspects = ARGV[6]
 for i = 3, #KEYS do
-  local name = ARGV[i + 4]
+  local name = ARGV[i + 5]
   -- landing lists are LPUSHed, so pushing them in LRANGE order leaves the oldest rightmost;
   -- nothing in them had started, so nothing in them is a suspect
   local jobs = redis.call('LRANGE', KEYS[i], 0, -1)

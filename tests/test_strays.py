@@ -1,0 +1,222 @@
+"""Stray recovery: jobs written into a process's private structures after it was swept and
+unregistered (a claim stuck in the network that lands late) are put back, and a live
+process's never are. Against real redis-servers; `step` is driven by hand, with short
+delays given as arguments instead of waiting out the defaults."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import redis
+
+import forkq
+from forkq import fetch as fetch_mod
+from forkq import keys, orphans, strays
+from forkq.fetch import ReliableFetch
+from forkq.queues import QueueOrder
+from helpers import CommandHolder, wait_until
+
+IDENTITY = "test:1:000000000000"
+
+
+def _fetch(port: int, identity: str = IDENTITY, queues: tuple[str, ...] = ("default",),
+           heartbeat_interval: float = 0.1) -> ReliableFetch:
+    return ReliableFetch(redis.Redis(port=port), identity, QueueOrder([(q, 0) for q in queues]),
+                         heartbeat_interval=heartbeat_interval)
+
+
+def _recovered(r: redis.Redis, delay: float, **kw) -> list[tuple[str, fetch_mod.Requeued]]:
+    """Slices until one puts something back (polled: the identity must first be noted,
+    then stay unregistered for `delay`)."""
+    out: list = []
+
+    def took() -> bool:
+        done = strays.step(r, "master-a", delay, **kw)
+        out.extend(done.recovered if done else [])
+        return bool(out)
+
+    wait_until(took, timeout=5, interval=0.05, message="a slice that puts the stray back")
+    return out
+
+
+@pytest.mark.timeout(20)
+def test_a_claim_that_reaches_redis_after_its_process_was_swept_is_put_back(own_redis):
+    """The claim is held on its way (a partition), the master sweeps the process as after
+    its death, then the claim lands: its jobs sit in a hash that no owners entry names.
+    Orphan recovery goes by that registry, so before stray recovery they stayed for good."""
+    holder = CommandHolder(own_redis.port)
+    admin = own_redis.client()
+    fetch = _fetch(holder.port)
+    claimed: list = []
+    late = threading.Thread(target=lambda: claimed.extend(fetch.fetch(3)))
+    try:
+        fetch.register()
+        jids = forkq.Client(own_redis.url).push_bulk("Any", [[i] for i in range(3)])
+        holder.marker = fetch._fetch.sha.encode()
+        late.start()
+        assert holder.holding.wait(5), "the claim never went out"
+        # the master reaps the (SIGKILLed) child and puts back what it held: nothing yet
+        assert fetch_mod.requeue_owner_counts(admin, IDENTITY, ["default"], crashed=True).requeued == 0
+        holder.release.set()
+        late.join(5)
+        assert len(claimed) == 3
+        assert admin.hlen(keys.inflight(IDENTITY)) == 3 and admin.llen("queue:default") == 0
+        assert not admin.hexists(keys.OWNERS, IDENTITY)
+        # what existed before: orphan recovery finds nothing to put back
+        assert orphans.sweep(admin, 0.0, "master-a") == []
+        assert admin.hlen(keys.inflight(IDENTITY)) == 3
+
+        ((identity, counts),) = _recovered(admin, 0.3)
+        assert identity == IDENTITY and counts == fetch_mod.Requeued(3, 0, 0)
+        # back on the queue as they were, the oldest first in line; not crash suspects
+        back = [json.loads(raw)["jid"] for raw in admin.lrange("queue:default", 0, -1)]
+        assert sorted(back) == sorted(jids) and back[-1] == jids[0]
+        assert not admin.exists(keys.inflight(IDENTITY), keys.suspects("default"))
+        assert not admin.keys(keys.CRASH_PREFIX + "*")
+        assert not admin.exists(keys.STRAYS_SEEN, keys.STRAYS_LOCK, keys.STRAYS_CURSOR)
+    finally:
+        holder.close()
+        if late.ident is not None:
+            late.join(5)
+        fetch.close()
+        admin.close()
+
+
+@pytest.mark.timeout(20)
+def test_a_registered_process_keeps_its_in_flight_jobs_and_landed_job(r, redis_server):
+    fetch = _fetch(redis_server.port, queues=("default", "mail"))
+    fetch.register()
+    forkq.Client(redis_server.url).push_bulk("Any", [[i] for i in range(4)])
+    assert len(fetch.fetch(4)) == 4
+    forkq.Client(redis_server.url).push("Any", [9], queue="mail")
+    assert fetch.wait_for("mail", redis.Redis(port=redis_server.port))
+    before = {k: r.dump(k) for k in (keys.inflight(IDENTITY), keys.landing(IDENTITY, "mail"))}
+    for _ in range(3):
+        done = strays.step(r, "master-a", 0.0)
+        assert done is not None and done.recovered == []
+    assert {k: r.dump(k) for k in before} == before
+    assert not r.exists(keys.STRAYS_SEEN)
+
+
+@pytest.mark.timeout(20)
+def test_a_live_process_swept_while_silent_keeps_what_it_claimed_after(r, redis_server):
+    """Orphan recovery took a live but silent process for dead (the delay is a lease). It
+    claims again before its next beat: unregistered, its hash holds jobs its threads run.
+    Its next beat registers it again, and stray recovery must leave those jobs alone; so
+    must it when only its alive key shows it beat (its owners entry deleted by hand)."""
+    fetch = _fetch(redis_server.port)
+    fetch.register()
+    forkq.Client(redis_server.url).push_bulk("Any", [[i] for i in range(4)])
+    assert len(fetch.fetch(2)) == 2
+    orphans_took = fetch_mod.requeue_owner_counts(r, IDENTITY, ["default"], crashed=True)
+    assert orphans_took.requeued == 2 and not r.hexists(keys.OWNERS, IDENTITY)
+    assert len(fetch.fetch(2)) == 2  # it wakes and claims before it beats
+    held = r.hgetall(keys.inflight(IDENTITY))
+    assert len(held) == 2
+
+    # noted as unregistered, then the process beats: registered again, nothing taken
+    # (interval 0: every slice is a new pass over this small keyspace)
+    assert strays.step(r, "master-a", 0.2, interval=0.0).recovered == []
+    assert r.hexists(keys.STRAYS_SEEN, IDENTITY)
+    fetch.register()  # what its heartbeat writes (Launcher.beat)
+    wait_until(lambda: strays.step(r, "master-b", 0.2, interval=0.0) is not None
+               and not r.hexists(keys.STRAYS_SEEN, IDENTITY), timeout=5,
+               message="the noted identity forgotten")
+    assert r.hgetall(keys.inflight(IDENTITY)) == held
+
+    # its owners entry deleted by hand after each beat: only its alive key shows that it
+    # beats, and that is checked inside the requeue script, in the same call
+    r.hdel(keys.OWNERS, IDENTITY)
+    assert strays.step(r, "master-a", 0.2, interval=0.0).recovered == []
+    assert r.hexists(keys.STRAYS_SEEN, IDENTITY)
+
+    def beat_then_slice() -> bool:
+        r.set(keys.alive(IDENTITY), 1, px=keys.ALIVE_TTL_S * 1000)
+        return (strays.step(r, "master-a", 0.2, interval=0.0) is not None
+                and not r.hexists(keys.STRAYS_SEEN, IDENTITY))
+
+    wait_until(beat_then_slice, timeout=5, interval=0.05,
+               message="the noted identity judged alive by its alive key")
+    assert r.hgetall(keys.inflight(IDENTITY)) == held
+    assert r.exists(keys.alive(IDENTITY))
+    # silent for longer (its alive key aged past the wait): now it is a stray
+    r.pexpire(keys.alive(IDENTITY), keys.ALIVE_TTL_S * 1000 - 60_000)
+    ((identity, counts),) = _recovered(r, 0.2, interval=0.0)
+    assert identity == IDENTITY and counts.requeued == 2
+    assert not r.exists(keys.inflight(IDENTITY), keys.alive(IDENTITY))
+
+
+@pytest.mark.timeout(20)
+def test_a_job_a_late_blocking_wait_lands_in_an_unregistered_landing_list_goes_back(r, redis_server):
+    """Under --no-fork: a BLMOVE stuck on its way reaches Redis after the process's own
+    final requeue, and moves a job into its landing list (here of a queue whose name has
+    colons, as the key's own separators do)."""
+    fetch = _fetch(redis_server.port, queues=("mail:high",))
+    fetch.register()
+    fetch.requeue_all()  # the process's own stop
+    jid = forkq.Client(redis_server.url).push("Any", [1], queue="mail:high")
+    assert fetch.wait_for("mail:high", redis.Redis(port=redis_server.port))
+    assert r.llen(keys.landing(IDENTITY, "mail:high")) == 1 and not r.exists("queue:mail:high")
+
+    ((identity, counts),) = _recovered(r, 0.2)
+    assert identity == IDENTITY and counts.requeued == 1
+    assert [json.loads(raw)["jid"] for raw in r.lrange("queue:mail:high", 0, -1)] == [jid]
+    assert not r.exists(keys.landing(IDENTITY, "mail:high"))
+
+
+@pytest.mark.timeout(20)
+def test_a_malformed_stray_entry_goes_to_dead_with_the_reason(r, capsys):
+    gone = "elsewhere:4242:abcdefabcdef"
+    good = json.dumps({"class": "Any", "args": [], "jid": "a" * 24, "queue": "default"})
+    r.hset(keys.inflight(gone), mapping={"7": "no queue in this entry", "8\ndefault": good})
+    # and a private name holding a key of another type: one line, and the others go on
+    r.set(keys.inflight("wrong:1:abcdefabcdef"), "a string")
+    ((identity, counts),) = _recovered(r, 0.2)
+    assert identity == gone and counts.requeued == 1
+    assert "cannot put back a stray's jobs" in capsys.readouterr().out
+    assert r.get(keys.inflight("wrong:1:abcdefabcdef")) == b"a string"
+    assert r.lrange("queue:default", 0, -1) == [good.encode()]
+    (dead,) = [json.loads(m) for m in r.zrange("dead", 0, -1)]
+    assert dead["class"] == "forkq.MalformedJob" and dead["forkq_original"] == "no queue in this entry"
+    assert dead["error_message"] == "in-flight entry of unknown form (field 7)"
+
+
+@pytest.mark.timeout(20)
+def test_the_scan_is_a_slice_at_a_time_and_one_pass_per_interval(own_redis):
+    """20,000 unrelated keys, a SCAN of COUNT 100 and at most 5 calls a slice: a pass is
+    spread over slices that go on from a cursor kept in Redis, whichever master takes
+    them; it makes about keys/COUNT calls in all, no KEYS; the next waits for the interval."""
+    r = own_redis.client()
+    pipe = r.pipeline(transaction=False)
+    for i in range(0, 20_000, 1000):
+        pipe.mset({f"app:{j}": "x" for j in range(i, i + 1000)})
+    pipe.execute()
+    r.hset(keys.inflight("gone:1:abcdefabcdef"), "1\ndefault", '{"class":"Any","args":[]}')
+    r.config_resetstat()
+    calls, slices, found = 0, 0, 0
+    masters = ["master-a", "master-b"]
+    while True:
+        # a delay of a minute: nothing noted is taken during the pass
+        done = strays.step(r, masters[slices % 2], 60.0, count=100, max_calls=5,
+                           budget_s=10.0, interval=3600)
+        assert done is not None and 1 <= done.calls <= 5
+        calls, slices, found = calls + done.calls, slices + 1, found + done.found
+        if not done.scanning:
+            break
+        assert r.get(keys.STRAYS_CURSOR) not in (None, b"0")
+    assert found >= 1 and slices >= 20_000 // 1000
+    stats = r.info("commandstats")
+    assert stats["cmdstat_scan"]["calls"] == calls <= 2 * 20_000 // 100
+    assert "cmdstat_keys" not in stats
+    assert 3500 < r.pttl(keys.STRAYS_REST) / 1000 <= 3600 and not r.exists(keys.STRAYS_CURSOR)
+    # resting: no scan, but what was noted is put back
+    wait_until(lambda: strays.step(r, "master-a", 1e-3).recovered, timeout=5,
+               message="the noted stray put back while resting")
+    assert r.info("commandstats")["cmdstat_scan"]["calls"] == calls
+    assert r.llen("queue:default") == 1
+    # one slice at a time cluster-wide
+    r.set(keys.STRAYS_LOCK, "master-c", px=5000)
+    assert strays.step(r, "master-a", 1e-3) is None
+    r.close()
