@@ -278,7 +278,10 @@ class Collector:
             restarts.add_metric([reason], n)
         yield restarts
         yield CounterMetricFamily("forkq_jobs_requeued", "Jobs this master put back into Redis "
-                                  "from dead children and orphaned processes", value=sup.stats.requeued)
+                                  "from dead children, orphaned processes and stray structures",
+                                  value=sup.stats.requeued)
+        yield CounterMetricFamily("forkq_jobs_strays", "Of forkq_jobs_requeued, jobs put back from "
+                                  "private structures no registered process held", value=sup.stats.strays)
         yield CounterMetricFamily("forkq_jobs_poisoned", "Jobs sent to the dead set as poison "
                                   "(in flight in too many deaths of a child or a whole forkq)", value=sup.stats.poisoned)
         yield CounterMetricFamily("forkq_metrics_rejected", "Metrics lines from children that did "

@@ -28,7 +28,7 @@ import psutil
 import redis
 import setproctitle
 
-from . import client, control, hooks, keys, logs, orphans, scripts, systemd
+from . import client, control, hooks, keys, logs, orphans, scripts, strays, systemd
 from .fetch import refusal, requeue_owner_counts, writes_refused
 from .metrics import MetricsServer
 from .settings import STOP_GRACE_S, STOP_PATIENCE_S, Settings
@@ -44,6 +44,9 @@ CHILD_SHRUGS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # none of them.
 CHILD_IGNORES = (signal.SIGTSTP, signal.SIGTTIN)
 CRASH_LOOP_LIMIT = 3
+# While a stray-recovery pass is under way, the master scans one slice of the keyspace this
+# often (each about strays.SLICE_S long)
+STRAY_SLICE_EVERY_S = 1.0
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Stats:
     requeued: int = 0
     poisoned: int = 0
     suspects: int = 0      # of requeued: sent to their queue's suspects list, to run alone
+    strays: int = 0        # of requeued: from structures no registered process held
 
 
 class Supervisor:
@@ -110,6 +114,8 @@ class Supervisor:
         self._next_sweep = 0.0
         # a dead forkq's jobs are back within about delay + delay/4 + one heartbeat
         self._sweep_every = max(1.0, min(settings.recovery_delay / 4, 15.0))
+        self._next_strays = 0.0
+        self._strays_refused = False  # warned that Redis refuses what stray recovery needs
         self._watchdog_every = systemd.watchdog_interval()
         self._last_watchdog = 0.0
         self.metrics: MetricsServer | None = None
@@ -129,6 +135,12 @@ class Supervisor:
         signal.set_wakeup_fd(self._sig_w)
         for sig in FORWARDED + (signal.SIGCHLD,):
             signal.signal(sig, _noop)
+        # The scripts a dead child's requeue and count need, read now rather than at the
+        # first death: a master whose Redis connection is open needs no new descriptor to put
+        # a child's jobs back, even with its limit on open files reached (the stray scan keeps
+        # that connection open more of the time)
+        for name in ("requeue_all", "flush_stats"):
+            scripts.source(name)
         # children share the preloaded app's pages: nothing the master allocated so far
         # is touched by a collection that would copy it
         gc.collect()
@@ -149,6 +161,7 @@ class Supervisor:
                 if self.children or self.state not in ("stopping", "failed"):
                     self.requeue_pending()  # else the loop ends, and the final pass tries
                 self.sweep_orphans()
+                self.sweep_strays()
                 self.murder_hung_children()
                 self.check_memory()
                 self.roll_restart()
@@ -159,7 +172,7 @@ class Supervisor:
                 self.metrics.close()
         log.info("master stopped", exit_code=self.exit_code, restarts=self.stats.restarts,
                  requeued=self.stats.requeued, poisoned=self.stats.poisoned,
-                 suspects=self.stats.suspects)
+                 suspects=self.stats.suspects, strays=self.stats.strays)
         return self.exit_code
 
     def wait_for_events(self, timeout: float) -> None:
@@ -492,6 +505,48 @@ class Supervisor:
             self.stats.requeued += counts.requeued
             self.stats.poisoned += counts.poisoned
             self.stats.suspects += counts.suspects
+
+    def sweep_strays(self) -> None:
+        """Put back jobs from private structures that no registered process holds, written
+        after their process was swept (a claim stuck in the network), a slice of the keyspace
+        at a time (see strays.py): a slice a second while a pass is under way, else a look
+        every sweep interval whether one is due or something noted can be taken."""
+        now = time.monotonic()
+        if now < self._next_strays or self.state == "stopping":
+            return
+        self._next_strays = now + self._sweep_every
+        s = self.settings
+        # as for orphans: after an outage nobody could beat, so a live process swept while
+        # silent may not have registered again yet
+        settled = (self._redis_ok_since is not None
+                   and now - self._redis_ok_since >= s.recovery_delay + s.heartbeat_interval)
+        try:
+            done = strays.step(self.redis, self.identity, s.recovery_delay, confirm=settled,
+                               poison_after=s.poison_after)
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+            return  # the orphan sweep notes the outage
+        except redis.ResponseError as exc:
+            # SCAN or EVALSHA refused to an ACL user or renamed away, a busy script: one line
+            # while it lasts, not one a look
+            if not self._strays_refused:
+                why = f"Redis {refusal(exc)}" if writes_refused(exc) else "Redis refused a command"
+                log.warning(f"stray recovery cannot run: {why}; jobs in private structures no "
+                            "registered process holds are not put back meanwhile", error=str(exc))
+                self._strays_refused = True
+            return
+        except Exception:
+            log.exception("stray recovery failed")
+            return
+        self._strays_refused = False
+        if done is None:
+            return
+        if done.scanning:
+            self._next_strays = now + STRAY_SLICE_EVERY_S
+        for _identity, counts in done.recovered:
+            self.stats.requeued += counts.requeued
+            self.stats.poisoned += counts.poisoned
+            self.stats.suspects += counts.suspects
+            self.stats.strays += counts.requeued
 
     @property
     def redis(self) -> redis.Redis:

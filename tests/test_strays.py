@@ -1,12 +1,17 @@
 """Stray recovery: jobs written into a process's private structures after it was swept and
 unregistered (a claim stuck in the network that lands late) are put back, and a live
 process's never are. Against real redis-servers; `step` is driven by hand, with short
-delays given as arguments instead of waiting out the defaults."""
+delays given as arguments instead of waiting out the defaults, and the last tests run a
+real master with a recovery delay of a second."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import redis
@@ -16,8 +21,9 @@ from forkq import fetch as fetch_mod
 from forkq import keys, orphans, strays
 from forkq.fetch import ReliableFetch
 from forkq.queues import QueueOrder
-from helpers import CommandHolder, wait_until
+from helpers import CommandHolder, json_lines, stop_gracefully, wait_until
 
+REPO = Path(__file__).resolve().parent.parent
 IDENTITY = "test:1:000000000000"
 
 
@@ -220,3 +226,57 @@ def test_the_scan_is_a_slice_at_a_time_and_one_pass_per_interval(own_redis):
     r.set(keys.STRAYS_LOCK, "master-c", px=5000)
     assert strays.step(r, "master-a", 1e-3) is None
     r.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_master_puts_back_a_stray_and_counts_it(redis_url, r, tmp_path):
+    """The master takes slices on its own: a stray left before it started (an owners entry
+    lost to an RDB restored beside a newer registry) is back once Redis has answered it for
+    the delay plus a heartbeat, with one warning, and counted in its stats."""
+    gone = "elsewhere:4242:abcdefabcdef"
+    job = json.dumps({"class": "orphan.work", "args": ["s", 0], "jid": "b" * 24, "queue": "nobody"})
+    r.hset(keys.inflight(gone), "1\nnobody", job)
+    log = tmp_path / "master.log"
+    env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO))
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "forkq", "start", "--require", str(REPO / "tests/apps/orphan_jobs.py"),
+             "--processes", "1", "--log-format", "json", "--recovery-delay", "1",
+             "--heartbeat-interval", "0.3", "--timeout", "1"],
+            env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: r.lrange("queue:nobody", 0, -1) == [job.encode()], timeout=15,
+                   message="the stray's job back on its queue")
+        assert not r.exists(keys.inflight(gone))
+    finally:
+        assert stop_gracefully(proc) == 0
+    lines = json_lines(log)
+    (warning,) = [e for e in lines if e.get("event", "").startswith("put back jobs from private")]
+    assert warning["identity"] == gone and warning["requeued"] == 1 and warning["level"] == "warning"
+    (stopped,) = [e for e in lines if e.get("event") == "master stopped"]
+    assert stopped["strays"] == 1 and stopped["requeued"] == 1
+
+
+@pytest.mark.timeout(30)
+def test_an_acl_user_without_scan_gets_one_line_from_the_master(own_redis, tmp_path):
+    admin = own_redis.client()
+    admin.acl_setuser("fq", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                      commands=["+@all", "-scan"])
+    log = tmp_path / "master.log"
+    env = dict(os.environ, FORKQ_REDIS_URL=f"redis://fq:pw@127.0.0.1:{own_redis.port}/0",
+               PYTHONPATH=str(REPO))
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "forkq", "start", "--require", str(REPO / "tests/apps/orphan_jobs.py"),
+             "--processes", "1", "--log-format", "json", "--recovery-delay", "1", "--timeout", "1"],
+            env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        # a look a second (the sweep interval with this delay): three refused at least
+        wait_until(lambda: sum(int(e["count"]) for e in admin.acl_log() if e["object"] == "scan") >= 3,
+                   timeout=15, message="the master's scans refused")
+    finally:
+        assert stop_gracefully(proc) == 0
+        admin.close()
+    lines = json_lines(log)
+    assert len([e for e in lines if e.get("event", "").startswith("stray recovery cannot run")]) == 1
+    assert "Traceback" not in log.read_text()
