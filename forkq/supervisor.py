@@ -26,9 +26,8 @@ from datetime import datetime, timezone
 
 import psutil
 import redis
-import setproctitle
 
-from . import client, control, hooks, keys, logs, orphans, scripts, strays, systemd
+from . import client, control, hooks, keys, logs, orphans, scripts, strays, systemd, titles
 from .fetch import refusal, requeue_owner_counts, writes_refused
 from .metrics import MetricsServer
 from .settings import STOP_GRACE_S, STOP_PATIENCE_S, Settings
@@ -645,7 +644,7 @@ class Supervisor:
         systemd.drop_environment()  # only the master speaks to systemd
         s = self.settings
         logs.configure(s.log_level, s.log_format, slot=index, buffered=True)
-        setproctitle.setproctitle(f"forkq child {index} {self.app} [0 of {s.concurrency} busy]")
+        titles.set_title(f"forkq child {index} {self.app} [0 of {s.concurrency} busy]", titles.CHILD_NAME)
         for fn in hooks.ON_FORK:
             try:
                 fn(index)
@@ -736,7 +735,7 @@ class Supervisor:
                  f"{busy} busy{', ' + self.state if self.state != 'running' else ''}]")
         if title != getattr(self, "_title", None):
             self._title = title
-            setproctitle.setproctitle(title)
+            titles.set_title(title, titles.MASTER_NAME)
             if self._ready_sent:
                 systemd.status(title[len("forkq master "):])
 

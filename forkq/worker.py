@@ -20,9 +20,8 @@ import traceback
 from typing import Any
 
 import redis
-import setproctitle
 
-from . import __version__, client, logs
+from . import __version__, client, logs, titles
 from .fetch import refusal, requeue_owner, writes_refused
 from .launcher import Launcher, new_identity
 from .manager import REDIS_ERRORS, Manager
@@ -151,8 +150,8 @@ class Worker:
         shown = (busy, self.manager.quiet_flag)
         if self.title and shown != self._title_shown:
             self._title_shown = shown
-            setproctitle.setproctitle(f"{self.title} [{busy} of {self.settings.concurrency} busy"
-                                      f"{', quiet' if self.manager.quiet_flag else ''}]")
+            titles.set_title(f"{self.title} [{busy} of {self.settings.concurrency} busy"
+                             f"{', quiet' if self.manager.quiet_flag else ''}]", titles.CHILD_NAME)
 
     _title_shown: tuple[int, bool] | None = None
     _pinged = False

@@ -606,6 +606,43 @@ def test_process_titles_name_the_master_and_each_child_slot(start_master, redis_
                message=f"busy master title, got {m.title()!r}")
 
 
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().rstrip("\n")
+    except OSError:
+        return ""
+
+
+@pytest.mark.timeout(45)
+@pytest.mark.parametrize("warnings", ["always::DeprecationWarning", "error::DeprecationWarning"])
+def test_the_kernel_name_has_no_spaces_so_a_replacement_fork_is_not_called_multi_threaded(
+        start_master, redis_url, r, warnings):
+    # Python 3.12+ counts a process's threads at os.fork() from /proc/self/stat, split on
+    # spaces: a kernel name (comm) holding the title's spaces made it read the priority (20)
+    m = start_master(processes=2, concurrency=1, env={"PYTHONWARNINGS": warnings})
+    before = m.wait_slots()
+    # replacements are forked under the master's title; the first children were not
+    wait_until(lambda: m.title().endswith("[2/2 children, 0 busy]"), timeout=5,
+               message=f"master title, got {m.title()!r}")
+    wait_until(lambda: _comm(m.pid) == "forkq-master", timeout=5,
+               message=f"master comm, got {_comm(m.pid)!r}")
+    assert m.ps.num_threads() == 1  # so a warning at its fork would be a false one
+    for pid in before.values():
+        wait_until(lambda: _comm(pid) == "forkq-child", timeout=5,
+                   message=f"child comm, got {_comm(pid)!r}")
+
+    os.kill(before[0], signal.SIGKILL)
+    new_pid = wait_until(lambda: (p := m.slots().get(0)) not in (None, before[0]) and p,
+                         timeout=10, interval=0.01, message=f"a new child in slot 0\n{m.tail()}")
+    wait_until(lambda: _comm(new_pid) == "forkq-child", timeout=5,
+               message=f"new child comm, got {_comm(new_pid)!r}")
+    for tag in ("a", "b"):
+        push(redis_url, "sup.quick", tag)
+        wait_event(r, m, "done", tag)
+    m.check()
+    assert "multi-threaded" not in m.stderr(), m.stderr()
+
+
 # -- 12. TSTP: quiet -------------------------------------------------------------------------------------
 
 
