@@ -11,6 +11,7 @@ in Redis (sup:events), with the slot and pid that ran it. Waiting is always a de
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -935,11 +936,53 @@ def test_a_low_soft_limit_on_open_files_does_not_keep_children_from_forking(redi
 
 SHRUGGED = ("SIGINT", "SIGTERM", "SIGHUP")
 
+# A process forked from a thread that is not the main one gets SIGINT while it runs bytecode.
+# A Python that runs the handler ends the copy with 0 (KeyboardInterrupt); CPython 3.13.0 sets
+# its "signal pending" flag on the parent's main thread state, which the copy never runs, so
+# the handler waits for a blocking call to be interrupted and the copy runs to the end (1).
+_THREAD_FORK_PROBE = """
+import os, signal, sys, threading, time
+def fork_and_interrupt():
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(ready_w, b".")
+            end = time.monotonic() + 2
+            while time.monotonic() < end:
+                pass
+        except KeyboardInterrupt:
+            os._exit(0)
+        os._exit(1)
+    os.read(ready_r, 1)
+    os.kill(pid, signal.SIGINT)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+thread = threading.Thread(target=fork_and_interrupt)
+thread.start()
+thread.join()
+"""
+
+
+@functools.cache
+def python_delays_handlers_in_thread_forks() -> bool:
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", _THREAD_FORK_PROBE],
+                         capture_output=True, text=True, timeout=20)
+    assert out.stdout.strip() in ("0", "1"), (out.stdout, out.stderr)
+    return out.stdout.strip() == "1"
+
 
 def assert_obeyed(ended: dict) -> None:
     # a program killed by a signal: -signum; a Python copy: -signum, or 1 from KeyboardInterrupt
     assert ended["program"] == {n: -signal.Signals[n] for n in SHRUGGED}, ended
-    assert all(ended["copy"][n] is not None for n in SHRUGGED), ended
+    # forkq's part: the copy has a plain Python process's handlers, not the worker's
+    assert ended["copy_handler"] == {"SIGINT": "default_int_handler", "SIGTERM": "SIG_DFL",
+                                     "SIGHUP": "SIG_DFL"}, ended
+    unended = {n for n in SHRUGGED if ended["copy"][n] is None}
+    if unended == {"SIGINT"} and python_delays_handlers_in_thread_forks():
+        # the job's SIGINT reached the copy before its sleep: with that Python (3.13.0), the
+        # handler forkq left in place does not run until a blocking call is interrupted
+        unended = set()
+    assert not unended, ended
 
 
 @pytest.mark.timeout(60)

@@ -97,7 +97,17 @@ def hog_once_job(tag, mb, hold):
     record("done", tag, attempt=attempt)
 
 
-def _sleep_when_told(started):
+def _disposition(sig):
+    handler = signal.getsignal(sig)
+    if handler is signal.default_int_handler:
+        return "default_int_handler"
+    if isinstance(handler, signal.Handlers):
+        return handler.name
+    return getattr(handler, "__qualname__", repr(handler))
+
+
+def _sleep_when_told(started, sig, report):
+    report.send(_disposition(sig))  # what forkq left this copy to handle `sig` with
     started.set()
     time.sleep(60)
 
@@ -110,7 +120,7 @@ def signal_own_job(tag):
     import multiprocessing
     import subprocess
     fork = multiprocessing.get_context("fork")
-    ended = {"program": {}, "copy": {}}
+    ended = {"program": {}, "copy": {}, "copy_handler": {}}
     # (SIGQUIT is treated as SIGTERM, but would leave a core dump here)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         program = subprocess.Popen(["sleep", "60"])  # returns once exec has happened
@@ -122,13 +132,17 @@ def signal_own_job(tag):
             program.wait()
             ended["program"][sig.name] = None
         started = fork.Event()
-        copy = fork.Process(target=_sleep_when_told, args=(started,))
+        reader, writer = fork.Pipe(duplex=False)
+        copy = fork.Process(target=_sleep_when_told, args=(started, sig, writer))
         copy.start()
         started.wait(10)
+        ended["copy_handler"][sig.name] = reader.recv() if reader.poll(10) else None
         os.kill(copy.pid, sig)
         copy.join(2)
         ended["copy"][sig.name] = copy.exitcode
         if copy.exitcode is None:
             copy.kill()
             copy.join()
+        reader.close()
+        writer.close()
     record("done", tag, ended=ended)
