@@ -9,6 +9,7 @@
 """
 
 from .client import Client, configure, default_client
+from .cron import CronError, periodic
 from .errors import (ConfigError, ForkqError, MalformedPayload, PartialEnqueue, RedisUnavailable,
                      UnknownJob)
 from .jobs import Job, job
@@ -16,7 +17,8 @@ from .hooks import on_fork, server_middleware, slot_index
 from .logs import JobFields, current_job
 
 __all__ = [
-    "Client", "ConfigError", "ForkqError", "Job", "JobFields", "MalformedPayload", "PartialEnqueue", "RedisUnavailable",
-    "UnknownJob", "configure", "current_job", "default_client", "job", "on_fork", "server_middleware", "slot_index",
+    "Client", "ConfigError", "CronError", "ForkqError", "Job", "JobFields", "MalformedPayload", "PartialEnqueue",
+    "RedisUnavailable", "UnknownJob", "configure", "current_job", "default_client", "job", "on_fork", "periodic",
+    "server_middleware", "slot_index",
 ]
 __version__ = "0.1.0"

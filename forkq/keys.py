@@ -48,6 +48,9 @@ STAT_DAY_TTL_S = 5 * 365 * 24 * 3600
 FLUSHED_TTL_S = 3600
 
 
+CRON_PREFIX = "forkq:cron:"
+
+
 def queue(name: str) -> str:
     return "queue:" + name
 
@@ -104,3 +107,12 @@ def flush_stats(identity: str, day: str) -> list[str]:
     """The keys of the flush_stats script, for a process and a UTC day (YYYY-MM-DD)."""
     return [flushed(identity), STAT_PROCESSED, STAT_FAILED,
             stat_day("processed", day), stat_day("failed", day)]
+
+
+def cron(entry_name: str) -> str:
+    """A periodic entry's hash: `pushed` (its latest due time pushed, epoch seconds), `jid`
+    and `pushed_at` of that push, `since` (no due time at or before it is owed: when the
+    entry was first seen, or its schedule changed) and `spec` (the schedule it was seen
+    with). Shared by every process that runs the app: its push script compares and sets
+    `pushed`, so each due time is pushed once across the fleet."""
+    return CRON_PREFIX + entry_name

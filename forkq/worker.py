@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from . import __version__, client, logs, titles
+from . import __version__, client, cron, logs, titles
 from .fetch import refusal, requeue_owner, writes_refused
 from .launcher import Launcher, new_identity
 from .manager import REDIS_ERRORS, Manager
@@ -87,10 +87,15 @@ class Worker:
                                  s.heartbeat_interval)
         self.scheduler = Scheduler(conn, self.manager.outcomes, s.poll_interval)
         self.manager.outcomes.retry_written = self.scheduler.due_at
+        # a thread of its own, only for an app that declares periodic entries: it sleeps until
+        # the next due time, away from the fetch path and the scheduler's spread-out polls
+        self.cron = cron.Cron(conn) if cron.ENTRIES else None
         self.manager.on_lost = lambda: self.command(signal.SIGTERM)
         self.manager.start()
         self.launcher.start()
         self.scheduler.start()
+        if self.cron is not None:
+            self.cron.start()
         log.info("worker started", identity=self.identity, concurrency=s.concurrency,
                  queues=self.manager.fetch.order.names, mode=self.manager.fetch.order.mode)
         self._loop()
@@ -186,6 +191,8 @@ class Worker:
         self.launcher.info["quiet"] = True
         self.manager.quiet()
         self.scheduler.stop()
+        if self.cron is not None:
+            self.cron.stop()
         finished = self.manager.stop(deadline)
         self._hand_over_acks()  # before any stop-time write that a frozen Redis could hold
         if not finished:

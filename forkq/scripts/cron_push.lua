@@ -1,0 +1,26 @@
+-- Push one periodic entry's job for one of its due times, unless that due time is already
+-- done. Every forkq process running the app calls this at the same due time; Redis runs
+-- one call at a time, so exactly one of them finds the due time newer than what the hash
+-- holds and pushes. Marking and pushing are in the same call: a process that dies between
+-- them cannot leave a due time marked with its job never pushed, or pushed and still free.
+-- KEYS[1] the entry's hash forkq:cron:NAME: `pushed` (the latest due time pushed),
+--   `since` (no due time at or before it is owed: the entry was first seen or changed then),
+--   `jid` and `pushed_at` of the latest push
+-- ARGV[1] the due time (epoch seconds), ARGV[2] the queue, ARGV[3] the payload,
+-- ARGV[4] its jid, ARGV[5] now (epoch seconds)
+-- Returns 1 if this call pushed the job, 0 if the due time was already done.
+local due = tonumber(ARGV[1])
+local state = redis.call('HMGET', KEYS[1], 'pushed', 'since')
+for i = 1, 2 do
+  if state[i] and tonumber(state[i]) >= due then
+    return 0
+  end
+end
+-- Sidekiq's client writes a push as these two commands: its Web UI and workers see an
+-- ordinary job. The push comes before the mark: Redis does not undo a script's writes when
+-- a later command fails (LPUSH onto a key that is no list), and a due time marked done
+-- without its job would never be pushed; unmarked, the next check pushes it.
+redis.call('SADD', 'queues', ARGV[2])
+redis.call('LPUSH', 'queue:' .. ARGV[2], ARGV[3])
+redis.call('HSET', KEYS[1], 'pushed', ARGV[1], 'jid', ARGV[4], 'pushed_at', ARGV[5])
+return 1
