@@ -1,5 +1,5 @@
-"""The admin commands: `forkq stats`, `queues`, `processes`, `busy`, `suspects` and the dead, retry
-and schedule sets. Read-only views and bulk actions on what is in Redis, as tables for
+"""The admin commands: `forkq stats`, `queues`, `processes`, `busy`, `suspects`, `cron` and the
+dead, retry and schedule sets. Read-only views and bulk actions on what is in Redis, as tables for
 people and --json for scripts; the data comes from forkq.api."""
 
 from __future__ import annotations
@@ -52,6 +52,11 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("queue", type=nonempty, help="the queue whose suspects to list")
     p.add_argument("--limit", type=whole_number("--limit", 1, LIMIT_MAX), default=100,
                    help="show at most this many (default 100)")
+    p = sub.add_parser("cron", parents=[common],
+                       help="the periodic entries the app declares: schedule, next due time, last push")
+    p.add_argument("-r", "--require", action="append", metavar="MODULE_OR_PATH", type=nonempty,
+                   help="the app's module or .py file that declares them, as forkq start takes it "
+                        "(repeatable; default: start's require setting) [env FORKQ_REQUIRE]")
     for name, actions in SET_ACTIONS.items():
         p = sub.add_parser(name, help=f"list or act on the {name} set")
         verbs = p.add_subparsers(dest="action", required=True, parser_class=ArgumentParser)
@@ -75,7 +80,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
                               help=argparse.SUPPRESS if verb in RUN_VERBS else MALFORMED_HELP)
 
 
-COMMANDS = ("stats", "queues", "processes", "busy", "suspects", *SET_ACTIONS)
+COMMANDS = ("stats", "queues", "processes", "busy", "suspects", "cron", *SET_ACTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     from . import api, client
     try:
         url = client.redis_url(config.redis_url_for_tools(args.redis_url, args.config))
+        if args.command == "cron":
+            args.entries = _load_entries(args)  # before Redis: a bad app is no Redis matter
     except ConfigError as exc:
         sys.stderr.write(f"forkq: {exc}\n")
         return 2
@@ -92,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         if args.command in SET_ACTIONS:
             return _set_command(conn, args)
         data, table = {"stats": _stats, "queues": _queues, "processes": _processes,
-                       "busy": _busy, "suspects": _suspects}[args.command](conn, args)
+                       "busy": _busy, "suspects": _suspects, "cron": _cron}[args.command](conn, args)
     except redis_errors() as exc:
         sys.stderr.write(f"forkq: {client.unreachable(client.mask_url(url), exc, url)}\n")
         return 1
@@ -210,6 +217,32 @@ def _suspects(conn, args):
     if total > len(shown):
         table.append(f"({len(shown)} of {total:,}; --limit shows more)")
     return [e.to_dict() for e in shown], table
+
+
+def _load_entries(args: argparse.Namespace) -> list:
+    from . import cron
+    from .cli import load_app
+    modules = config.require_for_tools(args.require, args.config)
+    if not modules:
+        raise ConfigError("cron: give --require with the app's module or .py file that declares "
+                          "the entries (as forkq start has it), or set FORKQ_REQUIRE")
+    load_app(modules)
+    return list(cron.ENTRIES.values())
+
+
+def _cron(conn, args):
+    import time
+    from . import cron
+    rows = cron.status(conn, args.entries, time.time())
+    table = _table(["name", "schedule", "timezone", "job", "queue", "next due", "last pushed", "jid"],
+                   [[r["name"], r["expression"], r["timezone"], r["job"], r["queue"],
+                     _local(r["next_due_local"]), _local(r["last_pushed_local"]), r["last_jid"]]
+                    for r in rows])
+    return rows, table if rows else ["the app declares no periodic entries (forkq.periodic)"]
+
+
+def _local(iso: str | None) -> str | None:
+    return None if iso is None else iso.replace("T", " ")
 
 
 def _args_text(job: dict | None) -> str:

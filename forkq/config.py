@@ -295,6 +295,23 @@ def redis_url_for_tools(flag: str | None, config_flag: str | None = None) -> str
     return None
 
 
+def require_for_tools(flags: list[str] | None, config_flag: str | None = None) -> list[str]:
+    """The app modules of a command that imports the app without running a worker (`forkq
+    cron`): the --require flags, else FORKQ_REQUIRE, else require in the file start reads;
+    [] when none names any."""
+    if flags:
+        return flags
+    modules = from_env("require")
+    if modules is not None:
+        return modules
+    values, name = read_file(config_path(config_flag))
+    o = BY_KEY["require"]
+    for key, raw in values.items():
+        if BY_KEY[key] is o:
+            return _parse(o, raw if isinstance(raw, list) else [raw], f"{name}: {o.name} = {_shown(o, raw)}")
+    return []
+
+
 def _keys() -> dict[str, Option]:
     table: dict[str, Option] = {}
     for o in OPTIONS:

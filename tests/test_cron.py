@@ -1,6 +1,6 @@
 """Periodic jobs (forkq/cron.py): expressions and DST on fixed times, exactly one push per
-due time across racing processes, the missed-run policy, and a real `forkq start
---processes 2` running a per-second entry.
+due time across racing processes, the missed-run policy, a real `forkq start --processes 2`
+running a per-second entry, and `forkq cron`.
 
 Time is always an argument here (Schedule.next_after(t), Cron.check(now)): nothing waits
 for a real minute. Redis is the fixtures' real server."""
@@ -26,6 +26,7 @@ from helpers import json_lines, stop_gracefully, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "tests" / "apps" / "cron_jobs.py"
+BAD_APP = REPO / "tests" / "apps" / "cron_bad.py"
 PARIS = ZoneInfo("Europe/Paris")
 UTC = timezone.utc
 
@@ -375,3 +376,60 @@ def test_forkq_start_with_two_children_runs_each_second_once(r, redis_url, tmp_p
     assert len(pushes) >= len(ran)
     # consecutive seconds while both children ran (none lost between the first and last)
     assert sorted(dues) == list(range(min(dues), max(dues) + 1))
+
+
+# -- forkq cron ------------------------------------------------------------------------------
+
+def forkq_cli(*args: str, url: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("FORKQ_REQUIRE", None)
+    if url is not None:
+        env["FORKQ_REDIS_URL"] = url
+    return subprocess.run([sys.executable, "-m", "forkq", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=30, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.timeout(30)
+def test_forkq_cron_lists_entries_with_next_due_and_last_push(r, redis_url, entries):
+    # what a running fleet would have pushed for the app's nightly entry
+    nightly = forkq.periodic("30 2 * * *", "Reports::Nightly", ["daily"], tz="Europe/Paris",
+                             name="nightly-report", queue="reports")
+    c = Cron(r, [nightly])
+    c.boot(at(2024, 5, 1, 12))
+    ((_, due, jid),) = c.check(at(2024, 5, 2, 2, 30))
+
+    out = forkq_cli("cron", "--require", str(APP), "--json", url=redis_url)
+    assert out.returncode == 0, out.stderr
+    rows = {row["name"]: row for row in json.loads(out.stdout)}
+    assert set(rows) == {"every-second", "nightly-report"}
+    row = rows["nightly-report"]
+    assert (row["expression"], row["timezone"], row["job"], row["queue"], row["args"]) == \
+        ("30 2 * * *", "Europe/Paris", "Reports::Nightly", "reports", ["daily"])
+    assert (row["last_pushed"], row["last_jid"]) == (due, jid)
+    assert row["last_pushed_local"] == "2024-05-02T02:30:00+02:00"
+    assert datetime.fromisoformat(row["next_due_local"]).strftime("%H:%M") == "02:30"
+    assert row["next_due"] > datetime.now().timestamp()
+    assert rows["every-second"]["last_pushed"] is None and rows["every-second"]["job"] == "cron.tick"
+
+    table = forkq_cli("cron", "-r", str(APP), url=redis_url)
+    assert table.returncode == 0, table.stderr
+    header, *lines = table.stdout.splitlines()
+    assert header.split() == ["name", "schedule", "timezone", "job", "queue", "next", "due", "last",
+                              "pushed", "jid"]
+    (nightly_line,) = [line for line in lines if line.startswith("nightly-report")]
+    assert "30 2 * * *" in nightly_line and "Europe/Paris" in nightly_line
+    assert "2024-05-02 02:30:00+02:00" in nightly_line and jid in nightly_line
+
+
+@pytest.mark.timeout(30)
+def test_forkq_cron_and_start_refuse_bad_input_in_one_line(redis_url):
+    for args, words in ((("cron",), "--require"),
+                        (("cron", "--require", "no_such_app.jobs"), "no module named"),
+                        (("cron", "--require", str(BAD_APP)), "unknown time zone 'Europe/Pariss'"),
+                        (("cron", "--require", str(APP), "--bogus"), "unrecognized arguments"),
+                        (("start", "--require", str(BAD_APP), "--no-fork"),
+                         "unknown time zone 'Europe/Pariss'")):
+        out = forkq_cli(*args, url=redis_url)
+        assert out.returncode != 0, args
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0] and lines[0].startswith("forkq: "), (args, out.stderr)
