@@ -6,6 +6,7 @@ real master with a recovery delay of a second."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ import redis
 
 import forkq
 from forkq import fetch as fetch_mod
-from forkq import keys, orphans, strays
+from forkq import keys, logs, orphans, strays
 from forkq.fetch import ReliableFetch
 from forkq.queues import QueueOrder
 from helpers import CommandHolder, json_lines, stop_gracefully, wait_until
@@ -173,15 +174,23 @@ def test_a_job_a_late_blocking_wait_lands_in_an_unregistered_landing_list_goes_b
 
 
 @pytest.mark.timeout(20)
-def test_a_malformed_stray_entry_goes_to_dead_with_the_reason(r, capsys):
+def test_a_malformed_stray_entry_goes_to_dead_with_the_reason(r):
     gone = "elsewhere:4242:abcdefabcdef"
     good = json.dumps({"class": "Any", "args": [], "jid": "a" * 24, "queue": "default"})
     r.hset(keys.inflight(gone), mapping={"7": "no queue in this entry", "8\ndefault": good})
     # and a private name holding a key of another type: one line, and the others go on
     r.set(keys.inflight("wrong:1:abcdefabcdef"), "a string")
-    ((identity, counts),) = _recovered(r, 0.2)
+    out = io.StringIO()
+    out.isatty = lambda: False
+    try:
+        # forkq's lines go to the stream given when logging was configured, which in a full
+        # run is an earlier test's: capsys would not see them
+        logs.configure("info", "json", stream=out)
+        ((identity, counts),) = _recovered(r, 0.2)
+    finally:
+        logs.configure("info", "json")
     assert identity == gone and counts.requeued == 1
-    assert "cannot put back a stray's jobs" in capsys.readouterr().out
+    assert "cannot put back a stray's jobs" in out.getvalue()
     assert r.get(keys.inflight("wrong:1:abcdefabcdef")) == b"a string"
     assert r.lrange("queue:default", 0, -1) == [good.encode()]
     (dead,) = [json.loads(m) for m in r.zrange("dead", 0, -1)]
