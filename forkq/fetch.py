@@ -513,8 +513,18 @@ class Waiters:
         """Stop blocking; returns once no BLMOVE is in flight (or the timeout passed)."""
         self._stopping = True
         self._armed.set()
-        self._unblock()
+        answered = self._unblock()
         deadline = time.monotonic() + timeout
+        # A BLMOVE that reached Redis just after that unblock (sent as the stop began, or
+        # on a connection still being made, whose id was not known yet) would block for
+        # the whole block timeout: unblock again, while Redis answers, until every waiter
+        # is back. Only a stop pays these round trips.
+        while answered and (alive := [t for t in self._threads if t.is_alive()]):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            alive[0].join(min(0.02, left))
+            answered = self._unblock()
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         # A wait still blocked here could not be ended early (no CLIENT, or its BLMOVE went
@@ -526,14 +536,17 @@ class Waiters:
             if t.is_alive() and (connection := self._connections.get(queue)) is not None:
                 _shut(connection)
 
-    def _unblock(self) -> None:
-        """End blocking waits now instead of at their timeout, so a stop takes milliseconds."""
+    def _unblock(self) -> bool:
+        """End blocking waits now instead of at their timeout, so a stop takes milliseconds.
+        False if Redis did not answer (trying again would only wait out more timeouts)."""
+        answered = True
         for client_id in list(self._client_ids.values()):
             if client_id is not None:
                 try:
                     self._fetch.redis.client_unblock(client_id)
                 except Exception:
-                    pass  # Redis unreachable: the wait ends at its socket timeout instead
+                    answered = False  # Redis unreachable: the wait ends at its socket timeout instead
+        return answered
 
     def _learn_id(self, queue: str, connection: AbstractConnection) -> None:
         """Run as the waiter's connection (re)connects: its id, for _unblock.

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,7 @@ import forkq
 from forkq import keys
 from forkq.fetch import ReliableFetch, Waiters
 from forkq.queues import QueueOrder
-from helpers import RedisServer, json_lines, stop_gracefully, wait_until
+from helpers import CommandHolder, RedisServer, json_lines, stop_gracefully, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "tests" / "apps" / "chaos_jobs.py"
@@ -200,6 +201,42 @@ def test_a_stop_closes_a_blocking_wait_it_could_not_end(own_redis):
         assert admin.llen(keys.landing(identity, "default")) == 0
     finally:
         waiters.stop(0)
+        admin.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_ends_a_blocking_wait_that_reached_redis_just_after_its_unblock(own_redis):
+    """A stop sent just after a worker started (its waiter still connecting) or as a wait
+    was on its way to Redis found nothing blocked to unblock, and the BLMOVE that landed
+    a moment later blocked for its whole timeout: about one stop in five right after a
+    start took 2 s more. The BLMOVE is held on its way here, past the stop's unblock."""
+    admin = own_redis.client()
+    holder = CommandHolder(own_redis.port, marker=b"BLMOVE")
+    fetch = ReliableFetch(own_redis.client(), "test:1:000000000000", QueueOrder([("default", 0)]),
+                          block_timeout=30.0, direct=False)
+    waiters = Waiters(fetch, lambda: redis.Redis(port=holder.port, socket_timeout=40),
+                      threading.Event().set, lambda exc: None)
+
+    def unblocks() -> int:
+        return admin.info("commandstats").get("cmdstat_client|unblock", {}).get("calls", 0)
+
+    stopper = threading.Thread(target=waiters.stop, args=(20,))
+    try:
+        waiters.start()
+        waiters.arm()
+        assert holder.holding.wait(5), "the waiter's BLMOVE never went out"
+        stopper.start()
+        wait_until(unblocks, timeout=5, message="the stop's CLIENT UNBLOCK")
+        holder.release.set()  # the BLMOVE reaches Redis now, with the unblock behind it
+        released = time.monotonic()
+        stopper.join(10)
+        took = time.monotonic() - released
+        assert not stopper.is_alive() and took < 2, f"the stop took {took:.1f}s after the wait blocked"
+    finally:
+        holder.close()
+        waiters.stop(0)
+        if stopper.ident is not None:  # started
+            stopper.join(25)
         admin.close()
 
 
