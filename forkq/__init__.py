@@ -8,13 +8,20 @@
     send_welcome.enqueue(42)
 """
 
-from .client import Client, configure, default_client
-from .cron import CronError, periodic
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import (ConfigError, ForkqError, MalformedPayload, PartialEnqueue, RedisUnavailable,
                      UnknownJob)
-from .jobs import Job, job
 from .hooks import on_fork, server_middleware, slot_index
-from .logs import JobFields, current_job
+
+if TYPE_CHECKING:
+    from .client import Client, configure, default_client
+    from .cron import CronError, periodic
+    from .jobs import Job, job
+    from .logs import JobFields, current_job
 
 __all__ = [
     "Client", "ConfigError", "CronError", "ForkqError", "Job", "JobFields", "MalformedPayload", "PartialEnqueue",
@@ -22,3 +29,22 @@ __all__ = [
     "server_middleware", "slot_index",
 ]
 __version__ = "0.1.0"
+
+# Imported on first use: redis-py (through .client) takes about 0.1 s to import, which
+# every `forkq` command paid before it could refuse a flag or print its --help.
+_LAZY = {"Client": "client", "configure": "client", "default_client": "client",
+         "Job": "jobs", "job": "jobs", "JobFields": "logs", "current_job": "logs",
+         "CronError": "cron", "periodic": "cron"}
+# `import forkq` used to import these too, so forkq.client.connect or forkq.jobs.REGISTRY
+# worked without importing them by name
+_SUBMODULES = {"client", "jobs", "logs", "payload", "keys", "wire", "cron"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

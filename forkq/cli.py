@@ -24,7 +24,7 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one readable line, exit 2, no usage dump
         command = self.prog.split(" ", 1)[1] + " " if " " in self.prog else ""
         # argparse echoes what it could not use: a Redis URL given where none is taken
-        from .client import mask_text
+        from .masking import mask_text
         sys.stderr.write(f"forkq: {mask_text(message)} (see forkq {command}--help)\n")
         raise SystemExit(2)
 
@@ -191,7 +191,7 @@ _SECRET_FLAGS = {"--password", "--token"}
 def not_utf8(argv: list[str], environ: dict[str, str]) -> str | None:
     """Name the first argument or FORKQ_* variable that is not UTF-8 (Python keeps such bytes
     as lone surrogates, which fail only deep inside, as "'utf-8' codec can't encode")."""
-    from .client import mask_text
+    from .masking import mask_text
     for i, arg in enumerate(argv):
         if _encodes(arg):
             continue

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import re
 import time
 from collections.abc import Callable, Iterable
 from datetime import datetime
@@ -18,6 +17,7 @@ from redis.sentinel import MasterNotFoundError, Sentinel
 
 from . import keys, payload, wire
 from .errors import ConfigError, RedisUnavailable
+from .masking import mask_text, mask_url  # noqa: F401  (forkq.client.mask_text, as before)
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_TIMEOUT_S = 5.0
@@ -55,29 +55,6 @@ def unreachable(shown_url: str, exc: BaseException, url: str | None = None) -> s
     if refused_credentials(exc):
         return f"Redis at {shown_url} refused the credentials (password or ACL user): {exc}"
     return f"cannot reach Redis at {shown_url}: {exc}{tls_hint(url, {}, exc) if url else ''}"
-
-
-def mask_url(url: str) -> str:
-    """The URL with any password replaced (in the userinfo or a password= query
-    parameter, both of which redis-py accepts, or a sentinel_password= or ssl_password=
-    one), fit for logs and status output.
-
-    Done on the text rather than by parsing, so a malformed URL (the kind an error
-    message is about to show) is masked too and nothing else in it changes."""
-    # the password runs to the LAST "@" before the path: a raw "@" in it must not leak a tail
-    return _mask_query(re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:@/?#]*:)[^/?#]*@", r"\1***@", url))
-
-
-def mask_text(text: str) -> str:
-    """`text` (an error message, an echoed command line) with the password of every URL
-    in it replaced, as mask_url does for a URL alone."""
-    text = re.sub(r"([A-Za-z][A-Za-z0-9+.-]*://[^:@/?#\s]*:)[^/?#\s]*@", r"\1***@", text)
-    return re.sub(r"((?:[?&])(?:sentinel_|ssl_)?password=)[^&#\s]*", r"\1***", text)
-
-
-def _mask_query(text: str) -> str:
-    # ssl_password unlocks the client certificate's private key
-    return re.sub(r"((?:^|[?&])(?:sentinel_|ssl_)?password=)[^&#]*", r"\1***", text)
 
 
 SENTINEL_SCHEME = "redis+sentinel"

@@ -417,7 +417,7 @@ def _shown(o: Option, raw: Any) -> str:
     if o.field != "redis_url":
         return repr(raw)
     if isinstance(raw, str):
-        from .client import mask_url
+        from .masking import mask_url
         return repr(mask_url(raw))
     return f"a TOML {type(raw).__name__}"
 

@@ -171,6 +171,22 @@ def test_lease_timings_that_let_a_live_process_lose_its_jobs_are_warned_at_start
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("args", [["--version"], ["start", "--help"], ["start", "--concurrency", "0"],
+                                  ["start", "--redis-url", "redis://:hunter2@h:1/0", "--bogus"]])
+def test_commands_that_never_reach_redis_do_not_import_redis_py(args):
+    """Importing redis-py is most of `forkq`'s start-up (0.25 s, 0.16 s without it): a
+    --help, a --version or a refused flag (its URL masked) must not pay it."""
+    code = ("import sys\nfrom forkq.cli import main\ntry:\n    main(sys.argv[1:])\n"
+            "except SystemExit:\n    pass\nprint(sorted(m for m in sys.modules if m.split('.')[0] == 'redis'))")
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    out = subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=20, stdin=subprocess.DEVNULL)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "hunter2" not in out.stderr
+    assert out.stdout.splitlines()[-1] == "[]", out.stdout.splitlines()[-1][:300]
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("flag", ["--version", "-V"])
 def test_version_prints_the_package_version_and_exits_0(flag):
     import tomllib
