@@ -523,8 +523,13 @@ class Supervisor:
             done = strays.step(self.redis, self.identity, s.recovery_delay, confirm=settled,
                                poison_after=s.poison_after)
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-            return  # the orphan sweep notes the outage
+            # noted here as the orphan sweep notes it: met here, an outage that had ended by
+            # the sweep's next turn left every heartbeat stale and the sweep none the wiser
+            self._redis_ok_since = None
+            return
         except redis.ResponseError as exc:
+            if writes_refused(exc):
+                self._redis_ok_since = None  # nobody can beat either (see sweep_orphans)
             # SCAN or EVALSHA refused to an ACL user or renamed away, a busy script: one line
             # while it lasts, not one a look
             if not self._strays_refused:
@@ -537,6 +542,14 @@ class Supervisor:
             log.exception("stray recovery failed")
             return
         self._strays_refused = False
+        if time.monotonic() - now > min(1.0, s.recovery_delay / 4):
+            # Redis stalled (paused, a slow command) with this call waiting: nobody could beat
+            # meanwhile. The orphan sweep sees a stall by its own timing only, and after one
+            # spent here it found Redis quick again and every heartbeat stale: live processes
+            # were judged dead and their running jobs put back to run twice
+            log.warning("Redis stalled during stray recovery; no process is judged dead until "
+                        "heartbeats have had time to resume")
+            self._redis_ok_since, self._redis_back_at = time.monotonic(), time.time()
         if done is None:
             return
         if done.scanning:

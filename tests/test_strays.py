@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -289,3 +290,31 @@ def test_an_acl_user_without_scan_gets_one_line_from_the_master(own_redis, tmp_p
     lines = json_lines(log)
     assert len([e for e in lines if e.get("event", "").startswith("stray recovery cannot run")]) == 1
     assert "Traceback" not in log.read_text()
+
+
+@pytest.mark.timeout(30)
+def test_a_stall_that_stray_recovery_waits_out_does_not_make_live_processes_look_dead(own_redis):
+    """Redis paused (shorter than the socket timeout) while the master's stray slice waited
+    on it: the slice came back without an error, the orphan sweep after it found Redis quick
+    and every heartbeat stale, and took a live process's running job for a dead one's."""
+    from forkq.settings import Settings
+    from forkq.supervisor import Supervisor
+    r = own_redis.client()
+    live = _fetch(own_redis.port, "elsewhere:77:abcdefabcdef")
+    live.register()
+    forkq.Client(own_redis.url).push("Any", [1])
+    assert len(live.fetch(1)) == 1  # a job it is running
+    sup = Supervisor(Settings(redis_url=own_redis.url, recovery_delay=1.0, heartbeat_interval=0.5))
+    sup._redis_ok_since, sup._redis_back_at = time.monotonic() - 10, time.time() - 10  # settled
+    slice_ = threading.Thread(target=sup.sweep_strays)
+    own_redis.pause()
+    try:
+        slice_.start()
+        time.sleep(2.5)  # the stall itself: longer than the 1 s delay, under the 5 s timeout
+    finally:
+        own_redis.resume()
+    slice_.join(10)
+    sup._next_sweep = 0.0
+    sup.sweep_orphans()
+    assert r.hlen(keys.inflight(live.identity)) == 1 and r.llen("queue:default") == 0
+    assert r.hexists(keys.OWNERS, live.identity)
