@@ -122,6 +122,9 @@ class ReliableFetch:
         # that claim is stuck (Redis frozen) and reaches Redis after the final requeue,
         # which would otherwise put those finished jobs back to run again
         self._sending: list[str] = []
+        # the acks of a flush on the wire: a stopping child hands them to its master too,
+        # as a stuck flush may reach Redis after the master's requeue of its hash
+        self._flushing: list[str] = []
         self._flush_lock = threading.Lock()
         self.owner_json: str | None = None  # set by register(); the heartbeat re-asserts it
         # jids of suspects that ran to their end: their crash counts are deleted with the
@@ -293,8 +296,8 @@ class ReliableFetch:
 
     def unsent_acks(self) -> list[str]:
         """The in-flight fields of finished jobs whose delete may not have reached Redis:
-        those on a claim still waiting for its reply, and those not sent yet."""
-        return self._sending + list(self._acks)  # each copied whole, under the GIL
+        those on a claim or a flush still waiting for its reply, and those not sent yet."""
+        return self._sending + self._flushing + list(self._acks)  # each copied whole, under the GIL
 
     def _take_acks(self, limit: int) -> list[str]:
         acks = self._acks
@@ -316,6 +319,7 @@ class ReliableFetch:
             self.redis.hdel(self.inflight_key, *sending)
         while self._acks or self._cleared:
             batch = self._take_acks(4000)
+            self._flushing = batch
             cleared = list(self._cleared)
             try:
                 if cleared:
@@ -329,6 +333,8 @@ class ReliableFetch:
             except Exception:
                 self._acks.extendleft(reversed(batch))
                 raise
+            finally:
+                self._flushing = []
             del self._cleared[:len(cleared)]
 
     # -- putting back ---------------------------------------------------------------

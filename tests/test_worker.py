@@ -22,7 +22,7 @@ from redis.retry import Retry
 
 import forkq
 from forkq import keys
-from forkq.fetch import ReliableFetch, Waiters
+from forkq.fetch import ReliableFetch, Waiters, requeue_owner_counts
 from forkq.manager import Manager
 from forkq.queues import QueueOrder
 from corekit import (UnixSocketRedis, core_jobs, forkq_client, queued, records,  # noqa: F401
@@ -475,6 +475,41 @@ def test_the_final_requeue_waits_for_a_stuck_flush_of_acks(own_redis):
             if thread.ident is not None:  # started
                 thread.join(5)
         admin.close()
+
+
+@pytest.mark.timeout(20)
+def test_a_stopping_child_hands_its_master_the_acks_of_a_flush_stuck_on_the_wire(own_redis):
+    """Redis frozen past the stop's grace, with a quiet child's flush of acks stuck on its
+    socket: the child hands the master the fields of its finished jobs (unsent_acks) so
+    that the master deletes them before its requeue, which can reach Redis first. The
+    batch the stuck flush carried was in neither the pending acks nor a claim's, so it was
+    not handed over, and those finished jobs went back on their queue to run again."""
+    holder = CommandHolder(own_redis.port)
+    admin = own_redis.client()
+    identity = "test:1:000000000000"
+    fetch = ReliableFetch(redis.Redis(port=holder.port), identity, QueueOrder([("default", 0)]))
+    flusher = threading.Thread(target=fetch.flush_acks)
+    try:
+        fetch.register()
+        forkq.Client(own_redis.url).push_bulk("Any", [[i] for i in range(3)])
+        finished = fetch.fetch(3)
+        for unit in finished:
+            fetch.ack(unit.token)
+        holder.marker = b"HDEL"
+        flusher.start()
+        assert holder.holding.wait(5)
+        told = fetch.unsent_acks()  # what the child writes to its master as "A" lines
+        assert sorted(told) == sorted(u.token for u in finished)
+        # the master, once it killed the child: those entries out, then the requeue
+        admin.hdel(keys.inflight(identity), *told)
+        assert requeue_owner_counts(admin, identity, ["default"]).requeued == 0
+        assert admin.llen("queue:default") == 0
+    finally:
+        holder.close()
+        if flusher.ident is not None:  # started
+            flusher.join(5)
+        admin.close()
+    assert fetch.unsent_acks() == []  # the flush went through once released
 
 
 @pytest.mark.timeout(30)
