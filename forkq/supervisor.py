@@ -511,7 +511,10 @@ class Supervisor:
         at a time (see strays.py): a slice a second while a pass is under way, else a look
         every sweep interval whether one is due or something noted can be taken."""
         now = time.monotonic()
-        if now < self._next_strays or self.state == "stopping":
+        # Not while the orphan sweep finds Redis unreachable: each call here would wait out
+        # the socket timeout again on the same outage, and the loop (signals, reaping, the
+        # stop deadline) would turn once per two timeouts instead of one
+        if now < self._next_strays or self.state == "stopping" or self._redis_ok_since is None:
             return
         self._next_strays = now + self._sweep_every
         s = self.settings

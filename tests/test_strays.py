@@ -23,6 +23,8 @@ from forkq import fetch as fetch_mod
 from forkq import keys, logs, orphans, strays
 from forkq.fetch import ReliableFetch
 from forkq.queues import QueueOrder
+from forkq.settings import Settings
+from forkq.supervisor import Supervisor
 from helpers import CommandHolder, json_lines, stop_gracefully, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -318,3 +320,42 @@ def test_a_stall_that_stray_recovery_waits_out_does_not_make_live_processes_look
     sup.sweep_orphans()
     assert r.hlen(keys.inflight(live.identity)) == 1 and r.llen("queue:default") == 0
     assert r.hexists(keys.OWNERS, live.identity)
+
+
+def _timed(fn) -> float:
+    started = time.monotonic()
+    fn()
+    return time.monotonic() - started
+
+
+@pytest.mark.timeout(60)
+def test_a_master_facing_a_frozen_redis_waits_on_one_call_a_turn_not_two(own_redis):
+    """Redis frozen (a paused VM, a host gone without a reset): each Redis call of the
+    master's loop waits out the socket timeout (5 s). The orphan sweep met it, then the
+    stray slice waited 5 s more on the same outage, every turn: a TERM, a dead child's
+    reaping, the stop deadline's kill waited up to 10 s instead of 5 (measured with a real
+    master and --recovery-delay 4: TERM acted on after 9 s, 4 s before stray recovery)."""
+    sup = Supervisor(Settings(redis_url=own_redis.url, processes=1, recovery_delay=4.0))
+    try:
+        sup.sweep_orphans(boot=True)
+        assert sup._redis_ok_since is not None
+        own_redis.pause()
+        # a turn whose orphan sweep is due: it meets the outage; the slice does not wait too
+        sup._next_sweep = sup._next_strays = 0.0
+        assert _timed(sup.sweep_orphans) >= 4.0
+        assert _timed(sup.sweep_strays) < 2.0
+        # a turn where the slice is the first to meet it (the orphan sweep not due): it
+        # notes the outage, so the next turn's slice does not wait on it again
+        own_redis.resume()
+        sup._next_sweep = 0.0
+        sup.sweep_orphans()
+        assert sup._redis_ok_since is not None
+        own_redis.pause()
+        sup._next_strays = 0.0
+        assert _timed(sup.sweep_strays) >= 4.0
+        sup._next_strays = 0.0
+        assert _timed(sup.sweep_strays) < 2.0
+    finally:
+        own_redis.resume()
+        os.close(sup._sig_r)
+        os.close(sup._sig_w)
