@@ -33,6 +33,7 @@ from cronsim import CronSim, CronSimError
 
 from . import keys, logs, payload, scripts
 from .errors import ConfigError
+from .fetch import refusal, writes_refused
 
 log = logs.get("forkq.cron")
 
@@ -169,6 +170,14 @@ class Schedule:
 def _exists(aware: datetime) -> bool:
     back = aware.astimezone(timezone.utc).astimezone(aware.tzinfo)
     return back.replace(tzinfo=None, fold=0) == aware.replace(tzinfo=None, fold=0)
+
+
+def _stamp(raw: Any) -> float:
+    """A due time stored in an entry's hash; -inf for none, or for one that is no number."""
+    try:
+        return float(raw) if raw else -math.inf
+    except ValueError:
+        return -math.inf
 
 
 def jid_for(name: str, due: int) -> str:
@@ -323,13 +332,34 @@ class Cron:
 
     def boot(self, now: float) -> None:
         """Mark entries first seen, and find each one's next due time (or a missed one)."""
-        states = self._boot(keys=[keys.cron(e.name) for e in self.entries],
-                            args=[repr(now)] + [e.schedule.spec for e in self.entries])
-        for entry, (pushed, since) in zip(self.entries, states):
-            done = max(float(pushed or "-inf"), float(since or "-inf"))
+        try:
+            states = self._boot(keys=[keys.cron(e.name) for e in self.entries],
+                                args=[repr(now)] + [e.schedule.spec for e in self.entries])
+        except redis.ResponseError as exc:
+            if writes_refused(exc):
+                raise
+            # one entry's key that is no hash (WRONGTYPE) failed them all, at every try:
+            # each on its own, so only that one stays out, named once
+            states = [self._boot_one(e, now) for e in self.entries]
+        for entry, state in zip(self.entries, states):
+            if state is None:
+                self._next[entry.name] = None
+                continue
+            done = max(_stamp(state[0]), _stamp(state[1]))
             latest = entry.schedule.latest_at(now)
             self._next[entry.name] = latest if latest is not None and latest > done \
                 else entry.schedule.next_after(now)
+
+    def _boot_one(self, entry: Entry, now: float) -> list[Any] | None:
+        try:
+            return self._boot(keys=[keys.cron(entry.name)], args=[repr(now), entry.schedule.spec])[0]
+        except redis.ResponseError as exc:
+            if writes_refused(exc):
+                raise
+            log.error("periodic entry left out: its Redis key cannot be read as forkq's (delete "
+                      "it to start the entry afresh)", entry=entry.name, key=keys.cron(entry.name),
+                      error=str(exc))
+            return None
 
     def check(self, now: float) -> list[tuple[Entry, int, str]]:
         """Offer every entry due at `now` to the push script; returns (entry, due time,
@@ -386,7 +416,6 @@ class Cron:
         return min(waits)
 
     def _run(self) -> None:
-        from .fetch import refusal, writes_refused
         refused = False
         while not self._stop.is_set():
             try:

@@ -433,3 +433,19 @@ def test_forkq_cron_and_start_refuse_bad_input_in_one_line(redis_url):
         assert out.returncode != 0, args
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and words in lines[0] and lines[0].startswith("forkq: "), (args, out.stderr)
+
+
+@pytest.mark.timeout(20)
+def test_an_entry_whose_key_is_not_a_hash_is_left_out_and_the_others_run(r):
+    """One forkq:cron:NAME of the wrong type (WRONGTYPE) failed the boot of every entry, at
+    every try: nothing was pushed, and each child logged a traceback every 5 s."""
+    good = cron.Entry("good", Schedule("* * * * *"), "Any", "default")
+    broken = cron.Entry("broken", Schedule("* * * * *"), "Any", "default")
+    r.set(keys.cron("broken"), "not a hash")
+    c = Cron(r, [broken, good])
+    now = 1_800_000_000.0  # a whole minute: due times of both
+    c.boot(now - 30)
+    assert c._next["broken"] is None and c._next["good"] == now
+    pushed = c.check(now)
+    assert [(e.name, due) for e, due, _ in pushed] == [("good", int(now))]
+    assert r.llen("queue:default") == 1
