@@ -266,12 +266,12 @@ class Worker:
             cost = len(json.dumps(token)) + 2
             if cost > 3000:
                 continue  # a queue name of kilobytes: its job may run again, as after a crash
-            chunk.append(token)
-            size += cost
-            if size > 3000:
+            if size + cost > 3000:
                 if not self._send_acks(chunk):
                     return
                 chunk, size = [], 0
+            chunk.append(token)
+            size += cost
         if chunk:
             self._send_acks(chunk)
 
