@@ -373,9 +373,12 @@ def test_forkq_start_with_two_children_runs_each_second_once(r, redis_url, tmp_p
     pushes = [line for line in lines if line.get("event") == "periodic job pushed"]
     assert {line["pid"] for line in pushes} <= children
     assert max(Counter(line["due"] for line in pushes).values()) == 1  # one push per due time
-    assert len(pushes) >= len(ran)
-    # consecutive seconds while both children ran (none lost between the first and last)
-    assert sorted(dues) == list(range(min(dues), max(dues) + 1))
+    pushed = sorted(int(datetime.fromisoformat(line["due"]).timestamp()) for line in pushes)
+    assert set(dues) <= set(pushed)
+    # consecutive seconds while both children ran (none lost between the first and last):
+    # pushes, not runs, which a stop can leave on the queue. Only both children stalling
+    # past a second at once (a late check pushes the latest due time only) could break it
+    assert pushed == list(range(pushed[0], pushed[-1] + 1))
 
 
 # -- forkq cron ------------------------------------------------------------------------------
