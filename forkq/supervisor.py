@@ -377,6 +377,7 @@ class Supervisor:
         give_up = time.monotonic() + STOP_PATIENCE_S
         while self.pending_requeue:
             identity, crashed = self.pending_requeue[0]
+            started = time.monotonic()
             try:
                 if finished := self.finished.get(identity):
                     for i in range(0, len(finished), 4000):
@@ -393,6 +394,7 @@ class Supervisor:
                     break
                 time.sleep(0.25)
                 continue
+            self._note_stall(started, "a dead child's requeue")
             self.pending_requeue.pop(0)
             done[identity] = (requeued, poisoned)
             self.stats.requeued += requeued
@@ -505,6 +507,17 @@ class Supervisor:
             self.stats.poisoned += counts.poisoned
             self.stats.suspects += counts.suspects
 
+    def _note_stall(self, started: float, what: str) -> None:
+        """After a Redis call of the master's loop that succeeded: if it took long, Redis
+        stalled (paused, a slow command) with it waiting, and nobody could beat meanwhile.
+        The orphan sweep sees a stall by its own timing only; after one spent elsewhere it
+        found Redis quick again and every heartbeat stale, and took live processes' running
+        jobs for dead ones', to run twice. Heartbeats count again after the delay plus one."""
+        if time.monotonic() - started > min(1.0, self.settings.recovery_delay / 4):
+            log.warning(f"Redis stalled during {what}; no process is judged dead until "
+                        "heartbeats have had time to resume")
+            self._redis_ok_since, self._redis_back_at = time.monotonic(), time.time()
+
     def sweep_strays(self) -> None:
         """Put back jobs from private structures that no registered process holds, written
         after their process was swept (a claim stuck in the network), a slice of the keyspace
@@ -545,14 +558,7 @@ class Supervisor:
             log.exception("stray recovery failed")
             return
         self._strays_refused = False
-        if time.monotonic() - now > min(1.0, s.recovery_delay / 4):
-            # Redis stalled (paused, a slow command) with this call waiting: nobody could beat
-            # meanwhile. The orphan sweep sees a stall by its own timing only, and after one
-            # spent here it found Redis quick again and every heartbeat stale: live processes
-            # were judged dead and their running jobs put back to run twice
-            log.warning("Redis stalled during stray recovery; no process is judged dead until "
-                        "heartbeats have had time to resume")
-            self._redis_ok_since, self._redis_back_at = time.monotonic(), time.time()
+        self._note_stall(now, "stray recovery")
         if done is None:
             return
         if done.scanning:

@@ -295,10 +295,12 @@ def test_an_acl_user_without_scan_gets_one_line_from_the_master(own_redis, tmp_p
 
 
 @pytest.mark.timeout(30)
-def test_a_stall_that_stray_recovery_waits_out_does_not_make_live_processes_look_dead(own_redis):
-    """Redis paused (shorter than the socket timeout) while the master's stray slice waited
-    on it: the slice came back without an error, the orphan sweep after it found Redis quick
-    and every heartbeat stale, and took a live process's running job for a dead one's."""
+@pytest.mark.parametrize("call", ["strays", "requeue"])
+def test_a_stall_that_stray_recovery_waits_out_does_not_make_live_processes_look_dead(own_redis, call):
+    """Redis paused (shorter than the socket timeout) while the master's stray slice, or its
+    requeue of a dead child, waited on it: the call came back without an error, the orphan
+    sweep after it found Redis quick and every heartbeat stale, and took a live process's
+    running job for a dead one's."""
     from forkq.settings import Settings
     from forkq.supervisor import Supervisor
     r = own_redis.client()
@@ -308,7 +310,9 @@ def test_a_stall_that_stray_recovery_waits_out_does_not_make_live_processes_look
     assert len(live.fetch(1)) == 1  # a job it is running
     sup = Supervisor(Settings(redis_url=own_redis.url, recovery_delay=1.0, heartbeat_interval=0.5))
     sup._redis_ok_since, sup._redis_back_at = time.monotonic() - 10, time.time() - 10  # settled
-    slice_ = threading.Thread(target=sup.sweep_strays)
+    if call == "requeue":
+        sup.pending_requeue.append(("dead:1:000000000000", True))  # a child just reaped
+    slice_ = threading.Thread(target=sup.sweep_strays if call == "strays" else sup.requeue_pending)
     own_redis.pause()
     try:
         slice_.start()
