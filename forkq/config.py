@@ -287,12 +287,7 @@ def redis_url_for_tools(flag: str | None, config_flag: str | None = None) -> str
     url = from_env("redis_url")
     if url is not None:
         return url
-    values, name = read_file(config_path(config_flag))
-    o = BY_KEY["redis_url"]
-    for key, raw in values.items():
-        if BY_KEY[key] is o:
-            return _parse(o, raw, f"{name}: {o.name} = {_shown(o, raw)}")
-    return None
+    return _from_file("redis_url", config_flag)
 
 
 def require_for_tools(flags: list[str] | None, config_flag: str | None = None) -> list[str]:
@@ -304,12 +299,19 @@ def require_for_tools(flags: list[str] | None, config_flag: str | None = None) -
     modules = from_env("require")
     if modules is not None:
         return modules
+    return _from_file("require", config_flag) or []
+
+
+def _from_file(field: str, config_flag: str | None) -> Any:
+    """One setting from the file start reads, None if it is not there; the file's other
+    settings are left for start to judge."""
     values, name = read_file(config_path(config_flag))
-    o = BY_KEY["require"]
+    o = BY_KEY[field]
     for key, raw in values.items():
         if BY_KEY[key] is o:
-            return _parse(o, raw if isinstance(raw, list) else [raw], f"{name}: {o.name} = {_shown(o, raw)}")
-    return []
+            value = [raw] if o.repeat and not isinstance(raw, list) else raw
+            return _parse(o, value, f"{name}: {o.name} = {_shown(o, raw)}")
+    return None
 
 
 def _keys() -> dict[str, Option]:
