@@ -442,8 +442,17 @@ def warn_about_queue_names(settings: Settings, conn: redis.Redis) -> None:
 
     import redis
 
+    from .cron import ENTRIES
     from .jobs import REGISTRY
     served = [name for name, _ in settings.queues]
+    for entry in ENTRIES.values():
+        if entry.queue not in served:
+            # every forkq running the app pushes its entries: the push lands, but only a
+            # forkq serving that queue runs it, and one that serves none of them never does
+            logs.get("forkq").warning(
+                f"periodic entry {entry.name!r} pushes to queue {entry.queue!r}, which this forkq "
+                "does not serve (--queue): its jobs run only where another forkq does",
+                entry=entry.name, queue=entry.queue)
     try:
         listed = {q.decode("utf-8", "replace") for q in conn.smembers(keys.QUEUES)}
     except redis.RedisError:

@@ -334,7 +334,7 @@ class Cron:
         """Mark entries first seen, and find each one's next due time (or a missed one)."""
         try:
             states = self._boot(keys=[keys.cron(e.name) for e in self.entries],
-                                args=[repr(now)] + [e.schedule.spec for e in self.entries])
+                                args=[repr(now), keys.CRON_TTL_S] + [e.schedule.spec for e in self.entries])
         except redis.ResponseError as exc:
             if writes_refused(exc):
                 raise
@@ -352,7 +352,8 @@ class Cron:
 
     def _boot_one(self, entry: Entry, now: float) -> list[Any] | None:
         try:
-            return self._boot(keys=[keys.cron(entry.name)], args=[repr(now), entry.schedule.spec])[0]
+            return self._boot(keys=[keys.cron(entry.name)],
+                              args=[repr(now), keys.CRON_TTL_S, entry.schedule.spec])[0]
         except redis.ResponseError as exc:
             if writes_refused(exc):
                 raise
@@ -405,7 +406,8 @@ class Cron:
     def _offer(self, entry: Entry, due: int, now: float) -> bool:
         job = entry.payload(due, now)
         return bool(self._push(keys=[keys.cron(entry.name)],
-                               args=[due, entry.queue, payload.dumps_new(job), job["jid"], repr(now)]))
+                               args=[due, entry.queue, payload.dumps_new(job), job["jid"], repr(now),
+                                     keys.CRON_TTL_S]))
 
     def wait_time(self, now: float) -> float:
         """Seconds from `now` to the next check, at most _MAX_SLEEP_S."""

@@ -49,6 +49,10 @@ FLUSHED_TTL_S = 3600
 
 
 CRON_PREFIX = "forkq:cron:"
+# A periodic entry's hash outlives its last push or boot by this long: the key of an entry
+# removed from the app goes away by itself, and one that comes back after it is new again
+# (owes nothing from before), which is also what a yearly entry's next push sees in time
+CRON_TTL_S = 400 * 24 * 3600
 
 
 def queue(name: str) -> str:

@@ -381,6 +381,26 @@ def test_forkq_start_with_two_children_runs_each_second_once(r, redis_url, tmp_p
     assert pushed == list(range(pushed[0], pushed[-1] + 1))
 
 
+@pytest.mark.timeout(30)
+def test_start_warns_of_an_entry_whose_queue_it_does_not_serve(redis_url, tmp_path):
+    """Entries are pushed by every forkq running the app; one pushed to a queue no forkq
+    serves waits there for good, and nothing said so."""
+    log = tmp_path / "forkq.log"
+    env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "forkq", "start", "--require", str(APP), "--no-fork",
+         "--queue", "elsewhere", "--log-format", "json", "--pidfile", str(tmp_path / "forkq.pid")],
+        env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: any(line.get("event") == "worker started" for line in json_lines(log)),
+                   timeout=20, message=f"the worker to start; log: {log}")
+    finally:
+        assert stop_gracefully(proc) == 0, log.read_text()[-3000:]
+    warned = [line for line in json_lines(log) if "does not serve" in (line.get("event") or "")]
+    assert sorted((w["entry"], w["queue"]) for w in warned) == [("every-second", "cron"),
+                                                               ("nightly-report", "reports")]
+
+
 # -- forkq cron ------------------------------------------------------------------------------
 
 def forkq_cli(*args: str, url: str | None = None) -> subprocess.CompletedProcess:
@@ -452,3 +472,16 @@ def test_an_entry_whose_key_is_not_a_hash_is_left_out_and_the_others_run(r):
     pushed = c.check(now)
     assert [(e.name, due) for e, due, _ in pushed] == [("good", int(now))]
     assert r.llen("queue:default") == 1
+
+
+@pytest.mark.timeout(20)
+def test_an_entrys_key_expires_long_after_its_last_push_or_boot(r):
+    """An entry removed from the app left its forkq:cron:NAME in Redis for good."""
+    entry = cron.Entry("expiring", Schedule("* * * * *"), "Any", "default")
+    c = Cron(r, [entry])
+    now = 1_800_000_000.0
+    c.boot(now - 30)
+    assert 0 < r.ttl(keys.cron("expiring")) <= keys.CRON_TTL_S
+    r.persist(keys.cron("expiring"))
+    assert [due for _, due, _ in c.check(now)] == [int(now)]
+    assert keys.CRON_TTL_S - 5 < r.ttl(keys.cron("expiring")) <= keys.CRON_TTL_S

@@ -7,7 +7,7 @@
 --   `since` (no due time at or before it is owed: the entry was first seen or changed then),
 --   `jid` and `pushed_at` of the latest push
 -- ARGV[1] the due time (epoch seconds), ARGV[2] the queue, ARGV[3] the payload,
--- ARGV[4] its jid, ARGV[5] now (epoch seconds)
+-- ARGV[4] its jid, ARGV[5] now (epoch seconds), ARGV[6] seconds the hash outlives this push
 -- Returns 1 if this call pushed the job, 0 if the due time was already done.
 local due = tonumber(ARGV[1])
 local state = redis.call('HMGET', KEYS[1], 'pushed', 'since')
@@ -23,4 +23,5 @@ end
 redis.call('SADD', 'queues', ARGV[2])
 redis.call('LPUSH', 'queue:' .. ARGV[2], ARGV[3])
 redis.call('HSET', KEYS[1], 'pushed', ARGV[1], 'jid', ARGV[4], 'pushed_at', ARGV[5])
+redis.call('EXPIRE', KEYS[1], ARGV[6])
 return 1
