@@ -434,9 +434,7 @@ def requeue_owner_counts(client: redis.Redis, identity: str, queue_names: list[s
     """Return a (possibly dead) process's private jobs to their queues, or to their queues'
     suspects lists: after a crash (`crashed`) every job in flight is a suspect, and a job
     that still has a crash count stays one."""
-    requeued, poisoned, suspects = _requeue_all(client, identity, queue_names, crashed, poison_after,
-                                                script, "")
-    return Requeued(requeued, poisoned, suspects)
+    return _requeue_all(client, identity, queue_names, crashed, poison_after, script, "")
 
 
 def requeue_stray(client: redis.Redis, identity: str, queue_names: list[str], *,
@@ -444,22 +442,19 @@ def requeue_stray(client: redis.Redis, identity: str, queue_names: list[str], *,
     """As requeue_owner_counts, without a crash, for a process that is not registered: only
     if, in the same call, it still has no owners entry and its alive key is gone or has at
     most `silent_left_ms` left (it has not beaten since). None, touching nothing, if not."""
-    requeued, poisoned, suspects = _requeue_all(client, identity, queue_names, False, poison_after,
-                                                None, silent_left_ms)
-    if requeued < 0:
-        return None
-    return Requeued(requeued, poisoned, suspects)
+    counts = _requeue_all(client, identity, queue_names, False, poison_after, None, silent_left_ms)
+    return None if counts.requeued < 0 else counts
 
 
 def _requeue_all(client: redis.Redis, identity: str, queue_names: list[str], crashed: bool,
-                 poison_after: int, script: Any, guard: int | str) -> tuple[int, int, int]:
+                 poison_after: int, script: Any, guard: int | str) -> Requeued:
     script = script or scripts.load(client, "requeue_all")
     landing = [keys.landing(identity, q) for q in queue_names]
     requeued, poisoned, suspects = script(
         keys=[keys.inflight(identity), keys.OWNERS, *landing],
         args=[identity, 1 if crashed else 0, poison_after, time.time(), keys.CRASH_PREFIX,
               keys.SUSPECTS_PREFIX, guard, *queue_names])
-    return int(requeued), int(poisoned), int(suspects)
+    return Requeued(int(requeued), int(poisoned), int(suspects))
 
 
 def owner_queues(client: redis.Redis, identity: str) -> list[str] | None:

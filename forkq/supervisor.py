@@ -28,7 +28,7 @@ import psutil
 import redis
 
 from . import client, control, hooks, keys, logs, orphans, scripts, strays, systemd, titles
-from .fetch import refusal, requeue_owner_counts, writes_refused
+from .fetch import Requeued, refusal, requeue_owner_counts, writes_refused
 from .metrics import MetricsServer
 from .settings import STOP_GRACE_S, STOP_PATIENCE_S, Settings
 
@@ -81,6 +81,11 @@ class Stats:
     poisoned: int = 0
     suspects: int = 0      # of requeued: sent to their queue's suspects list, to run alone
     strays: int = 0        # of requeued: from structures no registered process held
+
+    def add(self, counts: Requeued) -> None:
+        self.requeued += counts.requeued
+        self.poisoned += counts.poisoned
+        self.suspects += counts.suspects
 
 
 class Supervisor:
@@ -383,7 +388,7 @@ class Supervisor:
                     for i in range(0, len(finished), 4000):
                         self.redis.hdel(keys.inflight(identity), *finished[i:i + 4000])
                     del self.finished[identity]
-                requeued, poisoned, suspects = requeue_owner_counts(
+                counts = requeue_owner_counts(
                     self.redis, identity, [q for q, _ in self.settings.queues],
                     crashed=crashed and self.state != "stopping", poison_after=self.settings.poison_after)
             except _WAITED_OUT as exc:
@@ -396,14 +401,12 @@ class Supervisor:
                 continue
             self._note_stall(started, "a dead child's requeue")
             self.pending_requeue.pop(0)
-            done[identity] = (requeued, poisoned)
-            self.stats.requeued += requeued
-            self.stats.poisoned += poisoned
-            self.stats.suspects += suspects
-            if requeued or poisoned:
+            done[identity] = (counts.requeued, counts.poisoned)
+            self.stats.add(counts)
+            if counts.requeued or counts.poisoned:
                 # suspects: how many of the requeued went to forkq:suspects:QUEUE (to run alone)
                 log.warning("requeued a child's in-flight jobs", identity=identity,
-                            requeued=requeued, poisoned=poisoned, suspects=suspects)
+                            requeued=counts.requeued, poisoned=counts.poisoned, suspects=counts.suspects)
         # then what they ran since their last flush: the jobs go back first, a round trip
         # sooner
         waiting = {i for i, _ in self.pending_requeue}
@@ -475,8 +478,7 @@ class Supervisor:
             return
         self._next_sweep = now + self._sweep_every
         s = self.settings
-        settled = (self._redis_ok_since is not None
-                   and now - self._redis_ok_since >= s.recovery_delay + s.heartbeat_interval)
+        settled = self._settled(now)
         try:
             if self._redis_ok_since is None:
                 self.redis.ping()
@@ -484,7 +486,7 @@ class Supervisor:
             found = orphans.sweep(self.redis, s.recovery_delay if settled else float("inf"),
                                   self.identity, this_host_now=True,
                                   skip={c.identity for c in self.children.values()},
-                                  stall_limit=min(1.0, s.recovery_delay / 4),
+                                  stall_limit=self._stall_limit,
                                   poison_after=s.poison_after, beats_since=self._redis_back_at)
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
             self._redis_ok_since = None
@@ -498,25 +500,35 @@ class Supervisor:
             log.exception("orphan sweep failed")
             return
         if found is None:
-            log.warning("Redis stalled during the orphan sweep; no process is judged dead until "
-                        "heartbeats have had time to resume")
-            self._redis_ok_since, self._redis_back_at = time.monotonic(), time.time()
+            self._stalled("the orphan sweep")
             return
         for _identity, counts in found:
-            self.stats.requeued += counts.requeued
-            self.stats.poisoned += counts.poisoned
-            self.stats.suspects += counts.suspects
+            self.stats.add(counts)
+
+    def _settled(self, now: float) -> bool:
+        """Whether Redis has answered us long enough (the delay plus a heartbeat) for stale
+        heartbeats to mean dead processes: after an outage or a stall every one looks stale."""
+        s = self.settings
+        return (self._redis_ok_since is not None
+                and now - self._redis_ok_since >= s.recovery_delay + s.heartbeat_interval)
+
+    @property
+    def _stall_limit(self) -> float:
+        return min(1.0, self.settings.recovery_delay / 4)
 
     def _note_stall(self, started: float, what: str) -> None:
         """After a Redis call of the master's loop that succeeded: if it took long, Redis
         stalled (paused, a slow command) with it waiting, and nobody could beat meanwhile.
         The orphan sweep sees a stall by its own timing only; after one spent elsewhere it
         found Redis quick again and every heartbeat stale, and took live processes' running
-        jobs for dead ones', to run twice. Heartbeats count again after the delay plus one."""
-        if time.monotonic() - started > min(1.0, self.settings.recovery_delay / 4):
-            log.warning(f"Redis stalled during {what}; no process is judged dead until "
-                        "heartbeats have had time to resume")
-            self._redis_ok_since, self._redis_back_at = time.monotonic(), time.time()
+        jobs for dead ones', to run twice."""
+        if time.monotonic() - started > self._stall_limit:
+            self._stalled(what)
+
+    def _stalled(self, what: str) -> None:
+        log.warning(f"Redis stalled during {what}; no process is judged dead until "
+                    "heartbeats have had time to resume")
+        self._redis_ok_since, self._redis_back_at = time.monotonic(), time.time()
 
     def sweep_strays(self) -> None:
         """Put back jobs from private structures that no registered process holds, written
@@ -531,12 +543,10 @@ class Supervisor:
             return
         self._next_strays = now + self._sweep_every
         s = self.settings
-        # as for orphans: after an outage nobody could beat, so a live process swept while
-        # silent may not have registered again yet
-        settled = (self._redis_ok_since is not None
-                   and now - self._redis_ok_since >= s.recovery_delay + s.heartbeat_interval)
         try:
-            done = strays.step(self.redis, self.identity, s.recovery_delay, confirm=settled,
+            # as for orphans: after an outage nobody could beat, so a live process swept while
+            # silent may not have registered again yet
+            done = strays.step(self.redis, self.identity, s.recovery_delay, confirm=self._settled(now),
                                poison_after=s.poison_after)
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
             # noted here as the orphan sweep notes it: met here, an outage that had ended by
@@ -564,9 +574,7 @@ class Supervisor:
         if done.scanning:
             self._next_strays = now + STRAY_SLICE_EVERY_S
         for _identity, counts in done.recovered:
-            self.stats.requeued += counts.requeued
-            self.stats.poisoned += counts.poisoned
-            self.stats.suspects += counts.suspects
+            self.stats.add(counts)
             self.stats.strays += counts.requeued
 
     @property
