@@ -377,9 +377,9 @@ def epoch(when: float | int | datetime) -> float:
     raise TypeError(f"a run time must be epoch seconds or a datetime, not {type(when).__name__}")
 
 
-# forkq.testing's fake or inline mode, while one is on: push(jobs, run_at or None, encode)
-# takes the place of the Redis write
-TestPush = Callable[[list[dict[str, Any]], "float | None", Callable[[dict[str, Any]], Any]], list[str]]
+# forkq.testing's fake or inline mode, while one is on: push(commands) is given a push's
+# Redis commands, exactly as they would be sent, in place of the Redis write
+TestPush = Callable[[list[tuple]], Any]
 test_push: TestPush | None = None
 
 
@@ -443,8 +443,6 @@ class Client:
         encode = payload.dumps if self.middleware else payload.dumps_new
         run_at = None if at is None else epoch(at)
         now = time.time()
-        if test_push is not None:
-            return test_push(jobs, run_at if run_at is not None and run_at > now else None, encode)
         if run_at is not None and run_at > now:
             for q in {j.get("queue", "default") for j in jobs}:  # the scheduler's default
                 payload.check_queue(q)
@@ -472,6 +470,8 @@ class Client:
 
     def _send(self, commands: list[tuple]) -> Any:
         """Send one push's commands in one write, turning Redis trouble into forkq errors."""
+        if test_push is not None:
+            return test_push(commands)
         for attempt in (1, 2):
             try:
                 return self._connected().run(commands)

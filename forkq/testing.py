@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from . import client, logs, payload
@@ -93,12 +92,12 @@ class FakeJobs:
             ran += 1
             _run(entry)
 
-    def _record(self, jobs: list[dict[str, Any]], at: float | None) -> None:
+    def _record(self, pushed: list[tuple[dict[str, Any], float | None]]) -> None:
         with _lock:
-            for j in jobs:
+            for job, at in pushed:
                 if at is not None:
-                    j["at"] = at
-                self.jobs.append(j)
+                    job["at"] = at
+                self.jobs.append(job)
 
 
 def _run(job: dict[str, Any]) -> None:
@@ -115,16 +114,16 @@ def _run(job: dict[str, Any]) -> None:
         logs._job.current = outer
 
 
-def _round_trip(jobs: list[dict[str, Any]], at: float | None,
-                encode: Callable[[dict[str, Any]], Any]) -> list[dict[str, Any]]:
-    """The payloads as a worker would read them back, after the checks a push makes."""
-    now = time.time()
-    out = []
-    for j in jobs:
-        payload.check_queue(j.get("queue", "default"))
-        if at is None:
-            j["enqueued_at"] = now
-        out.append(payload.parse(encode(j)))
+def _pushed(commands: list[tuple]) -> list[tuple[dict[str, Any], float | None]]:
+    """The jobs in a push's Redis commands, as a worker would read them back, each with its
+    run time if it went to the schedule: the commands are what Client.push_jobs would send,
+    after its checks, client middleware and encoding."""
+    out: list[tuple[dict[str, Any], float | None]] = []
+    for command in commands:
+        if command[0] == "LPUSH":
+            out += [(payload.parse(raw), None) for raw in command[2:]]
+        elif command[0] == "ZADD":
+            out += [(payload.parse(raw), float(at)) for at, raw in zip(command[2::2], command[3::2])]
     return out
 
 
@@ -133,10 +132,8 @@ def fake() -> Iterator[FakeJobs]:
     """Record every push in the returned FakeJobs instead of sending it to Redis."""
     recorded = FakeJobs()
 
-    def push(jobs: list[dict[str, Any]], at: float | None, encode: Callable[[dict[str, Any]], Any]) -> list[str]:
-        decoded = _round_trip(jobs, at, encode)
-        recorded._record(decoded, at)
-        return [j["jid"] for j in decoded]
+    def push(commands: list[tuple]) -> None:
+        recorded._record(_pushed(commands))
 
     with _mode(push):
         yield recorded
@@ -147,11 +144,9 @@ def inline() -> Iterator[None]:
     """Run each pushed job at once, in the pushing thread, before the push returns;
     scheduled ones too, whatever their time. A job's exception propagates to the push."""
 
-    def push(jobs: list[dict[str, Any]], at: float | None, encode: Callable[[dict[str, Any]], Any]) -> list[str]:
-        decoded = _round_trip(jobs, at, encode)
-        for j in decoded:
-            _run(j)
-        return [j["jid"] for j in decoded]
+    def push(commands: list[tuple]) -> None:
+        for job, _at in _pushed(commands):
+            _run(job)
 
     with _mode(push):
         yield
