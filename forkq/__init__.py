@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .errors import (ConfigError, ForkqError, MalformedPayload, PartialEnqueue, RedisUnavailable,
-                     UnknownJob)
+                     TimeLimitExceeded, UnknownJob)
 from .hooks import on_fork, server_middleware, slot_index
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Client", "ConfigError", "CronError", "ForkqError", "Job", "JobFields", "MalformedPayload", "PartialEnqueue",
-    "RedisUnavailable", "UnknownJob", "configure", "current_job", "default_client", "job", "on_fork", "periodic",
+    "RedisUnavailable", "TimeLimitExceeded", "UnknownJob", "configure", "current_job", "default_client", "job", "on_fork", "periodic",
     "server_middleware", "slot_index",
 ]
 __version__ = "0.1.0"

@@ -41,3 +41,11 @@ class MalformedPayload(ValueError):
 
 class UnknownJob(ForkqError):
     """A payload names a job that no required module registered."""
+
+
+class TimeLimitExceeded(BaseException):
+    """Raised inside a job that ran longer than its `@forkq.job(time_limit=...)`.
+
+    A BaseException, as KeyboardInterrupt is: a job's `except Exception:` (a retry loop, a
+    handler that logs and carries on) must not swallow it and run on past its limit. The
+    job fails with it and is retried as any failure is."""

@@ -88,7 +88,7 @@ class Job:
 
     def __init__(self, fn: Callable[..., Any], name: str, queue: str, retry: bool | int,
                  backtrace: bool | int, retry_in: RetryIn | None, retries_exhausted: Exhausted | None,
-                 client: Client | None, options: dict[str, Any]) -> None:
+                 client: Client | None, options: dict[str, Any], time_limit: float | None = None) -> None:
         self.fn = fn
         self.name = name
         self.queue = queue
@@ -98,6 +98,8 @@ class Job:
         self.exhausted_hook = retries_exhausted
         self.client = client
         self.extra = options
+        # the worker's, not the payload's: read for every job run, so None costs one test
+        self.time_limit = time_limit
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
 
@@ -109,6 +111,9 @@ class Job:
 
     def options(self, **overrides: Any) -> Enqueuer:
         """An enqueuer with per-call overrides, e.g. `options(queue="low", retry=3)`."""
+        if "time_limit" in overrides:
+            raise TypeError(f"{self.name}: time_limit is set by @forkq.job only; the workers enforce "
+                            "the limit the job was registered with, whatever a push carries")
         client = overrides.pop("client", None)
         opts = self._payload_options()
         opts.update(overrides)
@@ -162,24 +167,36 @@ class Job:
 def job(fn: Callable[..., Any] | None = None, *, queue: str = "default", retry: bool | int = True,
         name: str | None = None, backtrace: bool | int = False, retry_in: RetryIn | None = None,
         retries_exhausted: Exhausted | None = None, client: Client | None = None,
-        **options: Any) -> Any:
+        time_limit: float | None = None, **options: Any) -> Any:
     """Register a function as a job: bare `@job` or `@job(queue=..., retry=..., name=...)`.
 
     retry: True means Sidekiq's 25 attempts, False none, an int that many.
     retry_in: hook(count, exc) choosing the delay before a retry (see Job.retry_in); a
     delay above 0 gets Sidekiq's jitter of rand(10) * (count + 1) seconds added.
+    time_limit: seconds a run may take; past them, TimeLimitExceeded is raised inside the
+    job (see forkq.timelimit), which fails and is retried as any failure is.
     """
     payload.check_retry(retry)
+    limit = _check_time_limit(time_limit)
 
     def register(f: Callable[..., Any]) -> Job:
         jname = name or f"{f.__module__}.{f.__qualname__}"
         _check_runnable(f, jname)
         j = Job(f, jname, queue, retry, backtrace, retry_in, retries_exhausted, client,
-                payload.check_options(options))  # at import, not at the first enqueue
+                payload.check_options(options), limit)  # at import, not at the first enqueue
         REGISTRY[jname] = j
         return j
 
     return register(fn) if fn is not None else register
+
+
+def _check_time_limit(limit: Any) -> float | None:
+    if limit is None:
+        return None
+    # at most what a thread wait accepts, as the time settings are (config.SECONDS_MAX)
+    if type(limit) in (int, float) and 0 < limit <= 1e9:
+        return float(limit)
+    raise ValueError(f"time_limit must be a number of seconds above 0 (at most 1e9), or None, not {limit!r}")
 
 
 def _check_runnable(f: Callable[..., Any], name: str) -> None:

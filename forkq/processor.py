@@ -11,11 +11,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import hooks, logs, payload
-from .errors import MalformedPayload, UnknownJob
+from .errors import MalformedPayload, TimeLimitExceeded, UnknownJob
 from .fetch import Unit
 from .jobs import lookup
 from .metrics import JobTable
 from .retry import MALFORMED_QUEUE, MESSAGE_LIMIT, Outcomes, dead_entry_for_malformed, message
+from .timelimit import WATCHDOG, describe
 
 if TYPE_CHECKING:
     from .manager import Manager
@@ -165,7 +166,10 @@ class Processor:
             if jobdef is None:
                 raise UnknownJob(f"no job named {name!r} is registered in this worker "
                                  "(is its module in --require, or is a deploy rolling out?)")
-            self._run(jobdef.fn, job, unit.queue)
+            if jobdef.time_limit is None:
+                self._run(jobdef.fn, job, unit.queue)
+            else:
+                self._run_limited(jobdef, job, unit.queue)
         except BaseException as exc:
             if _in_copy:
                 _leave_copy(exc)
@@ -177,6 +181,8 @@ class Processor:
             # own code (signals reach only the main thread): it is that job's failure, and
             # re-raising would end this thread with the job stuck in flight.
             self.failed += 1
+            if type(exc) is TimeLimitExceeded and jobdef is not None:
+                describe(exc, jobdef.time_limit)
             # The payload as fetched, as Sidekiq's JobRetry re-parses the job's string: what
             # the job or a middleware did to the dict (a list arg popped empty, a datetime
             # stored in a dict arg) must neither change what the retry runs with nor make
@@ -209,6 +215,16 @@ class Processor:
         return True
 
     _run = staticmethod(run_job)  # a bound method would cost a call more per job
+
+    def _run_limited(self, jobdef: Any, job: dict[str, Any], queue: str) -> None:
+        ident = threading.get_ident()
+        try:
+            WATCHDOG.arm(ident, jobdef.time_limit, job.get("jid"))
+            self._run(jobdef.fn, job, queue)
+        finally:
+            # inside _perform's try: a limit that fires as the job returns fails it here,
+            # once, or is withdrawn by disarm; it never lands in forkq's code after the job
+            WATCHDOG.disarm(ident)
 
     def _malformed(self, unit: Unit, reason: str) -> bool:
         # parked on a queue nobody serves, like the scheduler's and the Lua scripts' malformed

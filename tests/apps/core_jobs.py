@@ -244,3 +244,22 @@ def forks(tag, how):
             raise SystemExit(0)
         raise ValueError(f"copy {tag}")
     note("forks", tag, copy=pid)
+
+
+# -- jobs with a time limit -----------------------------------------------------------
+
+
+@forkq.job(time_limit=0.5, retry=1, retry_in=lambda count, exc: 1000)
+def spin_limited(tag):
+    """Runs Python code forever, swallowing every Exception as a careless retry loop does."""
+    note("start", tag)
+    while True:
+        try:
+            sum(range(1000))
+        except Exception:
+            note("swallowed", tag)
+
+
+@forkq.job(time_limit=5)
+def quick_limited(tag):
+    note("limited", tag)

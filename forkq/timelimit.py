@@ -1,0 +1,139 @@
+"""Job time limits: `@forkq.job(time_limit=S)` stops a job that runs longer than S seconds.
+
+One watchdog thread per worker process, started by the first limited job. When a job's
+time is up, it raises TimeLimitExceeded in that job's thread (CPython's
+PyThreadState_SetAsyncExc), so the job fails there, with a traceback that shows where it
+was, and is retried as any failure is. A thread is interrupted only between Python
+bytecodes: a job blocked in one long C call (a socket read without a timeout, a
+time.sleep) is interrupted when that call returns. The watchdog logs such a job once,
+with its stack, so that an operator can see what it waits on.
+
+Arming and disarming cost a lock and a dict entry, only for jobs that have a limit.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from . import logs
+from .errors import TimeLimitExceeded
+
+log = logs.get("forkq.timelimit")
+
+# How long after its limit a job that has not ended is reported as stuck in a C call
+STUCK_REPORT_S = 10.0
+_NEVER = float("inf")
+
+
+class Watchdog:
+    """Raises TimeLimitExceeded in threads whose job ran past its limit.
+
+    The exception can land in the job's thread at any bytecode after its limit, including
+    inside arm() and disarm(). So neither calls Python code that holds a lock between
+    statements: a plain Lock's with-block is entered and left in C, where threading's
+    Condition and Event run Python methods that an exception landing in them would leave
+    with their lock held (a deadlock this module had in its first form). The watchdog is
+    woken through a SimpleQueue, whose put is C too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._starting = threading.Lock()
+        self._wakeups: queue.SimpleQueue[None] = queue.SimpleQueue()
+        # thread ident -> (deadline on the monotonic clock, limit, jid)
+        self._armed: dict[int, tuple[float, float, Any]] = {}
+        # thread ident -> (time the limit fired, limit, jid) of jobs interrupted, not yet ended
+        self._fired: dict[int, tuple[float, float, Any]] = {}
+        self._wake_at = _NEVER
+        self._thread: threading.Thread | None = None
+        self._raise: Any = None
+
+    def arm(self, ident: int, limit: float, jid: Any) -> None:
+        if self._thread is None:  # before this job is armed: nothing can fire at it yet
+            with self._starting:
+                if self._thread is None:
+                    self._start()
+        deadline = time.monotonic() + limit
+        with self._lock:
+            self._armed[ident] = (deadline, limit, jid)
+            self._fired.pop(ident, None)  # left by a limit that fired before its job's try
+            wake = deadline < self._wake_at
+        if wake:
+            self._wakeups.put(None)
+
+    def disarm(self, ident: int) -> None:
+        """Called by the job's own thread once the job ended, however it ended. After this
+        returns, no TimeLimitExceeded can reach the thread: one that fired while the job was
+        returning (still pending) is withdrawn, so a job is never both done and failed."""
+        with self._lock:
+            if self._armed.pop(ident, None) is not None:
+                return
+            fired = self._fired.pop(ident, None)
+        if fired is not None:
+            self._raise(ident, None)
+
+    def _start(self) -> None:
+        import ctypes  # only in a process that runs limited jobs: it costs a few ms to import
+        setter = ctypes.pythonapi.PyThreadState_SetAsyncExc
+
+        def raise_in(ident: int, exc: type[BaseException] | None) -> None:
+            # None passes NULL, which withdraws a pending exception; a class is raised as
+            # KeyboardInterrupt is, and every CPython since 3.7 accepts one here
+            setter(ctypes.c_ulong(ident), None if exc is None else ctypes.py_object(exc))
+
+        self._raise = raise_in
+        self._thread = threading.Thread(target=self._watch, name="forkq-timelimit", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                self._fire_due(now)
+                stuck = self._stuck(now)
+                wake = min((d for d, _, _ in self._armed.values()), default=_NEVER)
+                report = min((f + STUCK_REPORT_S for f, _, _ in self._fired.values()), default=_NEVER)
+                self._wake_at = wake = min(wake, report)
+            for jid, limit, over, stack in stuck:  # logged outside the lock: a job's arm waits on it
+                log.warning("job ran past its time limit and was not interrupted: its thread is in a "
+                            "call that cannot be interrupted, and the job fails when that call returns",
+                            jid=jid, time_limit_s=limit, over_s=round(over, 1), stack=stack)
+            if stuck:
+                continue
+            try:
+                self._wakeups.get(timeout=None if wake == _NEVER else max(0.0, wake - time.monotonic()))
+            except queue.Empty:
+                pass
+
+    def _fire_due(self, now: float) -> None:
+        """Raise in each thread whose job's time is up; called with the lock held."""
+        for ident in [i for i, (deadline, _, _) in self._armed.items() if deadline <= now]:
+            _, limit, jid = self._armed.pop(ident)
+            self._fired[ident] = (now, limit, jid)
+            self._raise(ident, TimeLimitExceeded)
+
+    def _stuck(self, now: float) -> list[tuple[Any, float, float, str]]:
+        stuck = []
+        for ident, (fired, limit, jid) in list(self._fired.items()):
+            if now - fired < STUCK_REPORT_S:
+                continue
+            # reported once: the entry stays until disarm, with a time that never comes due
+            self._fired[ident] = (_NEVER, limit, jid)
+            frame = sys._current_frames().get(ident)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(thread gone)"
+            stuck.append((jid, limit, now - fired, stack))
+        return stuck
+
+
+WATCHDOG = Watchdog()
+
+
+def describe(exc: BaseException, limit: float | None) -> None:
+    """Give a TimeLimitExceeded raised by the watchdog (a bare class, no message) one that
+    says which limit it was, for the retry entry and the log line."""
+    if limit is not None and not exc.args:
+        exc.args = (f"the job ran longer than its time limit of {limit:g} s",)

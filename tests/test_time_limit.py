@@ -1,0 +1,184 @@
+"""Job time limits (`@forkq.job(time_limit=S)`, forkq/timelimit.py): a job that runs past
+its limit fails with TimeLimitExceeded in its own thread and is retried, the thread goes on
+with other jobs, and a limit that fires as the job returns never leaks past the job."""
+
+import json
+import sys
+import threading
+import time
+import traceback
+
+import pytest
+
+import forkq
+from forkq import logs, timelimit
+from forkq.errors import TimeLimitExceeded
+from corekit import core_jobs, forkq_client, records, wait_records, workers  # noqa: F401
+from helpers import wait_until
+
+
+@pytest.mark.timeout(30)
+def test_a_job_past_its_limit_fails_and_its_thread_goes_on(workers, forkq_client, r):
+    worker = workers(concurrency=1)  # one thread: the next jobs run only if it is freed
+    started = time.time()
+    jid = core_jobs.spin_limited.enqueue("spin")
+    core_jobs.quick_limited.enqueue_many([[i] for i in range(3)])
+    wait_until(lambda: len(records(r, "limited")) == 3, timeout=15,
+               message="the jobs queued behind the runaway one")
+    (member,) = r.zrange("retry", 0, -1)
+    entry = json.loads(member)
+    assert entry["jid"] == jid
+    assert entry["error_class"].endswith("TimeLimitExceeded")
+    assert "time limit of 0.5 s" in entry["error_message"]
+    assert entry["retry_count"] == 0
+    # it ran about its limit, not until something else stopped it
+    (start,) = [rec for rec in records(r, "start") if rec["args"] == ["spin"]]
+    failed_after = entry["failed_at"] - start["t"]
+    assert 0.4 < failed_after < 3, failed_after
+    assert not records(r, "swallowed"), "except Exception in the job must not catch the limit"
+    assert r.hlen(f"forkq:inflight:{worker.identity}") == 0
+    assert time.time() - started < 15
+    worker.assert_alive()
+
+
+def _spin(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _more_bytecode():
+    """Python code enough for an exception still pending on this thread to land in it."""
+    for _ in range(200):
+        pass
+    _spin(0.0001)
+
+
+@pytest.mark.timeout(30)
+def test_jobs_ending_at_their_limit_end_one_way_each_and_never_deadlock():
+    """Many jobs that end right at their limit: each ends exactly one way (returned, or
+    raised TimeLimitExceeded inside its try), nothing lands in the thread's code after
+    the job, and arm/disarm never deadlock (a first version, built on
+    threading.Condition, hung within 300 runs: the exception landed in its Python
+    __exit__ with the lock held)."""
+    dog = timelimit.Watchdog()
+    outcomes = {"returned": 0, "limited": 0}
+    leaked = []
+
+    def run():
+        ident = threading.get_ident()
+        for i in range(1500):
+            limit = 0.0002 + (i % 7) * 0.00005
+            try:
+                try:
+                    dog.arm(ident, limit, i)
+                    _spin(limit)  # ends at about the limit: the two race
+                finally:
+                    dog.disarm(ident)
+                outcomes["returned"] += 1
+            except TimeLimitExceeded:
+                outcomes["limited"] += 1
+            try:
+                _more_bytecode()
+            except TimeLimitExceeded:
+                leaked.append(i)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive(), "arm/disarm deadlocked"
+    assert not leaked, f"a limit landed after its job ended, at runs {leaked[:10]}"
+    assert outcomes["returned"] > 0 and outcomes["limited"] > 0, outcomes
+    assert outcomes["returned"] + outcomes["limited"] == 1500
+
+
+@pytest.mark.timeout(20)
+def test_a_limit_firing_while_the_job_waits_to_disarm_lands_inside_the_job():
+    """The interleaving that leaves an exception pending past the job: its thread ended
+    the job and waits in disarm() for the lock, while the watchdog, holding it, fires.
+    Played here step by step: the test holds the lock and fires as the watchdog does."""
+    dog = timelimit.Watchdog()
+    armed, go = threading.Event(), threading.Event()
+    ended = []
+
+    def job():
+        ident = threading.get_ident()
+        try:
+            try:
+                dog.arm(ident, 60, "jid")
+                armed.set()
+                go.wait()
+            finally:
+                dog.disarm(ident)
+            ended.append("returned")
+        except TimeLimitExceeded:
+            ended.append("limited")
+        try:
+            _more_bytecode()
+        except TimeLimitExceeded:
+            ended.append("leaked")
+
+    thread = threading.Thread(target=job, daemon=True)
+    thread.start()
+    assert armed.wait(5)
+    with dog._lock:
+        go.set()
+        wait_until(lambda: "disarm" in "".join(
+            traceback.format_stack(sys._current_frames().get(thread.ident))), timeout=5)
+        dog._fire_due(time.monotonic() + 61)
+    thread.join(5)
+    assert ended == ["limited"]
+
+
+@pytest.mark.timeout(20)
+def test_a_job_blocked_in_a_call_is_logged_with_its_stack_and_fails_when_it_returns(monkeypatch, tmp_path):
+    monkeypatch.setattr(timelimit, "STUCK_REPORT_S", 0.3)
+    out = tmp_path / "log"
+    stream = open(out, "w")
+    logs.configure(level="warning", fmt="json", stream=stream)
+    dog = timelimit.Watchdog()
+    release = threading.Event()
+    ended = []
+
+    def job():
+        ident = threading.get_ident()
+        try:
+            try:
+                dog.arm(ident, 0.1, "jid-blocked")
+                release.wait()  # one C call: the limit cannot land until it returns
+                time.sleep(0)
+                ended.append("returned")
+            finally:
+                dog.disarm(ident)
+        except TimeLimitExceeded:
+            ended.append("limited")
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    try:
+        line = wait_until(lambda: [json.loads(ln) for ln in out.read_text().splitlines()
+                                   if "time limit" in ln], timeout=10)
+        (entry,) = line
+        assert entry["jid"] == "jid-blocked" and entry["level"] == "warning"
+        assert "release.wait()" in entry["stack"]
+        assert not ended
+    finally:
+        release.set()
+        thread.join(5)
+        stream.close()
+    assert ended == ["limited"]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("bad", [0, -1, "5", True, float("nan"), float("inf"), 1e10])
+def test_a_bad_time_limit_is_refused_at_import(bad):
+    with pytest.raises(ValueError, match="time_limit"):
+        forkq.job(name=f"bad.limit.{bad!r}", time_limit=bad)(lambda: None)
+
+
+@pytest.mark.timeout(10)
+def test_a_push_cannot_carry_a_time_limit():
+    limited = forkq.job(name="limit.options", time_limit=3)(lambda: None)
+    assert limited.time_limit == 3.0
+    with pytest.raises(TypeError, match="time_limit"):
+        limited.options(time_limit=10)
