@@ -295,6 +295,9 @@ def _options(expression: str, check: Callable[[], dict[str, Any]]) -> dict[str, 
 
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 RETRY_S = 5.0  # after a push Redis refused, before the entry's next try
+# How far this host's clock may stray from Redis's before its log says so: a reading taken
+# before a call looks behind by the round trip, which a busy Redis stretches past a second
+SKEW_WARN_S = 2.0
 
 
 class Cron:
@@ -304,7 +307,14 @@ class Cron:
     Missed runs: at start, an entry whose latest due time at or before now is newer than
     what the fleet pushed (every forkq was down at that time) has that one due time pushed
     at once, never the ones before it; with max_delay, only if it is that recent. An entry
-    first seen (or whose schedule changed) owes nothing from before that moment."""
+    first seen (or whose schedule changed) owes nothing from before that moment.
+
+    Redis's clock is the fleet's: `now` given to boot, check and wait_time is this host's
+    clock, held back to Redis's when it runs ahead (learnt from the scripts' replies, which
+    carry Redis's TIME; the scripts refuse a due time Redis's clock has not reached). A host
+    ahead would otherwise push early and, as a push marks every due time before it done,
+    take from the hosts on time the due times between the two clocks. A host behind pushes
+    late, after the others (still once). Either way its log says so, once."""
 
     def __init__(self, client: redis.Redis, entries: list[Entry] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
@@ -315,6 +325,8 @@ class Cron:
         self._boot = scripts.load(client, "cron_boot")
         self._next: dict[str, int | None] = {}
         self._held: dict[str, float] = {}  # entries whose push failed: not before this time
+        self._ahead = 0.0  # how far this host's clock ran ahead of Redis's at the last reply
+        self._skew: str | None = None  # "ahead" or "behind" once the log has said so
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="forkq-cron", daemon=True)
 
@@ -332,15 +344,20 @@ class Cron:
 
     def boot(self, now: float) -> None:
         """Mark entries first seen, and find each one's next due time (or a missed one)."""
+        host = now
         try:
-            states = self._boot(keys=[keys.cron(e.name) for e in self.entries],
-                                args=[repr(now), keys.CRON_TTL_S] + [e.schedule.spec for e in self.entries])
+            *states, clock = self._boot(
+                keys=[keys.cron(e.name) for e in self.entries],
+                args=[repr(now), keys.CRON_TTL_S] + [e.schedule.spec for e in self.entries])
         except redis.ResponseError as exc:
             if writes_refused(exc):
                 raise
             # one entry's key that is no hash (WRONGTYPE) failed them all, at every try:
             # each on its own, so only that one stays out, named once
-            states = [self._boot_one(e, now) for e in self.entries]
+            replies = [self._boot_one(e, now) for e in self.entries]
+            states = [state for state, _ in replies]
+            clock = next((c for _, c in replies if c is not None), None)
+        now = host - self._ahead if clock is None else self._learn(host, clock)
         for entry, state in zip(self.entries, states):
             if state is None:
                 self._next[entry.name] = None
@@ -350,25 +367,48 @@ class Cron:
             self._next[entry.name] = latest if latest is not None and latest > done \
                 else entry.schedule.next_after(now)
 
-    def _boot_one(self, entry: Entry, now: float) -> list[Any] | None:
+    def _boot_one(self, entry: Entry, now: float) -> tuple[list[Any] | None, Any]:
+        """The entry's state and Redis's clock; (None, None) for an entry left out."""
         try:
-            return self._boot(keys=[keys.cron(entry.name)],
-                              args=[repr(now), keys.CRON_TTL_S, entry.schedule.spec])[0]
+            state, clock = self._boot(keys=[keys.cron(entry.name)],
+                                      args=[repr(now), keys.CRON_TTL_S, entry.schedule.spec])
+            return state, clock
         except redis.ResponseError as exc:
             if writes_refused(exc):
                 raise
             log.error("periodic entry left out: its Redis key cannot be read as forkq's (delete "
                       "it to start the entry afresh)", entry=entry.name, key=keys.cron(entry.name),
                       error=str(exc))
-            return None
+            return None, None
+
+    def _learn(self, host: float, clock: Any) -> float:
+        """Take in Redis's clock from a script's reply (`host`: this host's clock read just
+        before the call); returns the fleet's now, this host's clock held back to Redis's."""
+        error = host - float(clock)
+        self._ahead = max(0.0, error)
+        skew = "ahead" if error > SKEW_WARN_S else "behind" if error < -SKEW_WARN_S else None
+        if skew != self._skew:
+            if skew == "ahead":
+                log.warning("this host's clock runs ahead of Redis's: periodic jobs wait for "
+                            "Redis's clock (set this host's clock right, NTP)", ahead_s=round(error, 1))
+            elif skew == "behind":
+                log.warning("this host's clock runs behind Redis's: its periodic pushes come "
+                            "late, after other hosts' (set this host's clock right, NTP)",
+                            behind_s=round(-error, 1))
+            else:
+                log.info("this host's clock agrees with Redis's again", error_s=round(error, 1))
+            self._skew = skew
+        return host - self._ahead
 
     def check(self, now: float) -> list[tuple[Entry, int, str]]:
         """Offer every entry due at `now` to the push script; returns (entry, due time,
         jid) for each that this call pushed. Touches Redis only when something is due."""
         if not self.booted:
             self.boot(now)
+        host = now
         pushed = []
         for entry in self.entries:
+            now = host - self._ahead  # as learnt from the latest reply
             next_due = self._next[entry.name]
             if next_due is None or next_due > now or self._held.get(entry.name, 0.0) > now:
                 continue
@@ -384,7 +424,7 @@ class Cron:
                             late_s=round(late, 1), max_delay=entry.max_delay)
             else:
                 try:
-                    offered = self._offer(entry, due, now)
+                    offered = self._offer(entry, due, host)
                 except redis.ResponseError as exc:
                     # this entry's push fails (its queue's key holds no list, say): the
                     # due time stays unmarked and is tried again, and the others go on
@@ -394,6 +434,11 @@ class Cron:
                     self._held[entry.name] = now + RETRY_S
                     continue
                 self._held.pop(entry.name, None)
+                if offered < 0:
+                    # not come by Redis's clock: this host's runs ahead (learnt by the
+                    # call), and offers it again when Redis's clock reaches it
+                    self._next[entry.name] = entry.schedule.next_after(host - self._ahead)
+                    continue
                 if offered:
                     jid = jid_for(entry.name, due)
                     pushed.append((entry, due, jid))
@@ -403,14 +448,20 @@ class Cron:
             self._next[entry.name] = entry.schedule.next_after(now)
         return pushed
 
-    def _offer(self, entry: Entry, due: int, now: float) -> bool:
+    def _offer(self, entry: Entry, due: int, host: float) -> int:
+        """1 if this call pushed the due time's job, 0 if it was done, -1 if Redis's clock
+        has not reached it."""
+        now = host - self._ahead
         job = entry.payload(due, now)
-        return bool(self._push(keys=[keys.cron(entry.name)],
-                               args=[due, entry.queue, payload.dumps_new(job), job["jid"], repr(now),
-                                     keys.CRON_TTL_S]))
+        offered, clock = self._push(keys=[keys.cron(entry.name)],
+                                    args=[due, entry.queue, payload.dumps_new(job), job["jid"],
+                                          repr(now), keys.CRON_TTL_S])
+        self._learn(host, clock)
+        return int(offered)
 
     def wait_time(self, now: float) -> float:
         """Seconds from `now` to the next check, at most _MAX_SLEEP_S."""
+        now -= self._ahead
         waits = [_MAX_SLEEP_S]
         for name, due in self._next.items():
             if due is not None:

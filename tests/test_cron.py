@@ -3,11 +3,13 @@ due time across racing processes, the missed-run policy, a real `forkq start --p
 running a per-second entry, and `forkq cron`.
 
 Time is always an argument here (Schedule.next_after(t), Cron.check(now)): nothing waits
-for a real minute. Redis is the fixtures' real server."""
+for a real minute (the tests of hosts whose clocks are off wait for a whole second of
+Redis's clock, the fleet's). Redis is the fixtures' real server."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,6 +20,8 @@ from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
+import structlog
+import structlog.testing
 
 import forkq
 from forkq import cron, keys
@@ -466,7 +470,7 @@ def test_an_entry_whose_key_is_not_a_hash_is_left_out_and_the_others_run(r):
     broken = cron.Entry("broken", Schedule("* * * * *"), "Any", "default")
     r.set(keys.cron("broken"), "not a hash")
     c = Cron(r, [broken, good])
-    now = 1_800_000_000.0  # a whole minute: due times of both
+    now = 1_700_000_040.0  # a whole minute, past by Redis's clock: a due time of both
     c.boot(now - 30)
     assert c._next["broken"] is None and c._next["good"] == now
     pushed = c.check(now)
@@ -479,9 +483,86 @@ def test_an_entrys_key_expires_long_after_its_last_push_or_boot(r):
     """An entry removed from the app left its forkq:cron:NAME in Redis for good."""
     entry = cron.Entry("expiring", Schedule("* * * * *"), "Any", "default")
     c = Cron(r, [entry])
-    now = 1_800_000_000.0
+    now = 1_700_000_040.0  # a whole minute, past by Redis's clock
     c.boot(now - 30)
     assert 0 < r.ttl(keys.cron("expiring")) <= keys.CRON_TTL_S
     r.persist(keys.cron("expiring"))
     assert [due for _, due, _ in c.check(now)] == [int(now)]
     assert keys.CRON_TTL_S - 5 < r.ttl(keys.cron("expiring")) <= keys.CRON_TTL_S
+
+
+# -- hosts whose clocks are off ----------------------------------------------------------------
+# Redis's clock is the fleet's: these tests read it (TIME) and give each Cron its host's
+# reading, Redis's plus the host's error, as tests/test_fleet.py shifts a real master's.
+
+def redis_now(r) -> float:
+    sec, usec = r.time()
+    return sec + usec / 1_000_000
+
+
+def next_second(r) -> int:
+    """Wait for Redis's clock to pass its next whole second (a due time of `* * * * * *`)."""
+    second = math.floor(redis_now(r)) + 1
+    wait_until(lambda: redis_now(r) >= second, timeout=3, interval=0.005,
+               message=f"Redis's clock to reach {second}")
+    return second
+
+
+def fleet_round(r, hosts: list[tuple[Cron, float]], early: list[int] | None = None) -> list[int]:
+    """Each host's check at the next whole second by Redis's clock, read off its own clock
+    (Redis's plus its error); the due times pushed. Those pushed before Redis's clock
+    reached them go to `early` too."""
+    next_second(r)
+    pushed = []
+    for c, error in hosts:
+        found = [due for _, due, _ in c.check(redis_now(r) + error)]
+        pushed += found
+        if early is not None:
+            early += [due for due in found if due > redis_now(r)]
+    return pushed
+
+
+@pytest.mark.timeout(15)
+def test_a_host_whose_clock_runs_ahead_booting_a_changed_entry_loses_no_due_time(r, redis_url):
+    """A rolling deploy changes an entry: the old hosts booting again marked the change
+    with `since` = their own now. One whose clock ran 90 s ahead put `since` 90 s past
+    Redis's clock, and every due time of those 90 s, pushed by nobody yet, was refused to
+    every host: a minute and a half of runs lost."""
+    old = cron.Entry("ticker", Schedule("*/2 * * * * *"), "Any", "default")
+    new = cron.Entry("ticker", Schedule("* * * * * *"), "Any", "default")
+    on_time = Cron(r, [new])
+    on_time.boot(redis_now(r))
+    fast_old = Cron(r, [old])
+    fast_old.boot(redis_now(r) + 90)  # an old host restarted by the deploy
+    booted = redis_now(r)
+    pushed = fleet_round(r, [(on_time, 0.0)])
+    assert len(pushed) == 1 and pushed[0] > booted, pushed
+    assert float(r.hget(keys.cron("ticker"), "since")) <= booted + 0.001  # never past Redis's clock
+
+
+@pytest.mark.timeout(15)
+@pytest.mark.parametrize("error_at_boot", [True, False], ids=["ahead-from-boot", "stepped-ahead-later"])
+def test_a_host_whose_clock_runs_ahead_neither_pushes_early_nor_skips_the_fleets_due_times(
+        r, redis_url, error_at_boot, monkeypatch):
+    """A host 90 s ahead pushed the latest due time by its own clock at once (at its boot,
+    as a missed one; later, as a late check's catch-up): `pushed` jumped 90 s ahead of
+    Redis's clock, and every due time in between was refused to the hosts on time."""
+    entry = cron.Entry("ticker", Schedule("* * * * * *"), "Any", "default")
+    on_time, fast = Cron(r, [entry]), Cron(r, [entry])
+    pushed: list[int] = []
+    early: list[int] = []
+    with structlog.testing.capture_logs() as logged:
+        # a logger made under capture_logs: cron.log may have been cached by an earlier test
+        monkeypatch.setattr(cron, "log", structlog.get_logger("forkq.cron"))
+        on_time.boot(redis_now(r))
+        fast.boot(redis_now(r) + (90 if error_at_boot else 0))
+        started = redis_now(r)
+        for _ in range(2):
+            pushed += fleet_round(r, [(fast, 90.0), (on_time, 0.0)], early)
+    # every whole second since the start, each once, whoever pushed it
+    assert sorted(pushed) == list(range(math.floor(started) + 1, math.floor(started) + 3)), pushed
+    assert [j["cron"]["due"] for j in queued(r, "default")] == pushed
+    assert early == []
+    # the host ahead says so, once; the one on time says nothing
+    (warning,) = [e for e in logged if e["log_level"] == "warning"]
+    assert "ahead of Redis's" in warning["event"] and 89 < warning["ahead_s"] <= 90

@@ -8,12 +8,22 @@
 --   `jid` and `pushed_at` of the latest push
 -- ARGV[1] the due time (epoch seconds), ARGV[2] the queue, ARGV[3] the payload,
 -- ARGV[4] its jid, ARGV[5] now (epoch seconds), ARGV[6] seconds the hash outlives this push
--- Returns 1 if this call pushed the job, 0 if the due time was already done.
+-- Returns {1, CLOCK} if this call pushed the job, {0, CLOCK} if the due time was already
+-- done, {-1, CLOCK} if it has not come yet by Redis's clock; CLOCK is that clock (epoch
+-- seconds, a string).
+local t = redis.call('TIME')
+local clock = string.format('%d.%06d', t[1], t[2])
 local due = tonumber(ARGV[1])
+-- Redis's clock is the fleet's: a host whose clock runs ahead would otherwise push a due
+-- time early, and as `pushed` only rises, every due time before it that the hosts on time
+-- had still to push would be refused to them
+if due > tonumber(clock) then
+  return {-1, clock}
+end
 local state = redis.call('HMGET', KEYS[1], 'pushed', 'since')
 for i = 1, 2 do
   if state[i] and tonumber(state[i]) >= due then
-    return 0
+    return {0, clock}
   end
 end
 -- Sidekiq's client writes a push as these two commands: its Web UI and workers see an
@@ -24,4 +34,4 @@ redis.call('SADD', 'queues', ARGV[2])
 redis.call('LPUSH', 'queue:' .. ARGV[2], ARGV[3])
 redis.call('HSET', KEYS[1], 'pushed', ARGV[1], 'jid', ARGV[4], 'pushed_at', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[6])
-return 1
+return {1, clock}
