@@ -208,8 +208,7 @@ def test_due_times_around_a_clock_change_agree_with_a_minute_by_minute_reference
     start, end = middle - 2 * 86400, middle + 2 * 86400
     for expr in ("30 2 * * *", "45 1,2 * * *", "0 1-4 * * *", "*/20 * * * *", "15 * * * *", "0 */2 * * *"):
         if zone == "Australia/Lord_Howe" and expr == "0 */2 * * *":
-            # cronsim steps an hour field in real hours: across Lord Howe's 30-minute change
-            # it lands on :30 and misses 02:00 (a known gap, the one zone that shifts so)
+            # a known gap: see test_lord_howe_30_minute_changes_known_gaps
             continue
         schedule = Schedule(expr, zone)
         due = _reference(expr, tz, start, end)
@@ -218,6 +217,33 @@ def test_due_times_around_a_clock_change_agree_with_a_minute_by_minute_reference
             want_latest = max(d for d in due if d <= t)
             assert (schedule.next_after(t), schedule.latest_at(t)) == (want_next, want_latest), \
                 (expr, shown(t, tz), shown(want_next, tz), shown(want_latest, tz))
+
+
+LORD_HOWE = ZoneInfo("Australia/Lord_Howe")
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.xfail(strict=True, reason="cronsim's real-instant stepping across a 30-minute change")
+@pytest.mark.parametrize("expr,lookup,local,fold,want", [
+    # back 30 minutes on 2024-04-07 (02:00+11:00 -> 01:30+10:30); cronsim gives 04:00
+    ("0 */2 * * *", "next_after", (2024, 4, 7, 0, 0), 0, "2024-04-07T02:00:00+10:30"),
+    # 01:45 comes twice, both real instants; cronsim gives 02:45
+    ("45 * * * *", "next_after", (2024, 4, 7, 1, 46), 0, "2024-04-07T01:45:00+10:30"),
+    # from the second 01:40; cronsim gives 22:30 the day before
+    ("30 */2 * * *", "latest_at", (2024, 4, 7, 1, 40), 1, "2024-04-07T00:30:00+11:00"),
+    # forward 30 minutes on 2024-10-06 (02:00+10:30 -> 02:30+11:00); cronsim gives 06:00
+    ("0 */3 * * *", "next_after", (2024, 10, 6, 0, 0), 0, "2024-10-06T03:00:00+11:00"),
+])
+def test_lord_howe_30_minute_changes_known_gaps(expr, lookup, local, fold, want):
+    """A known gap, not fixed: an entry with * in its minute or hour field is matched
+    against real instants, which cronsim walks by ticking real seconds, and some of its
+    steps (a real hour from an hour's minute 0, a jump straight to the wanted minute)
+    assume local time moves with real time. Across Lord Howe Island's 30-minute change
+    they land half an hour off and pass over a due time. Whole-hour changes are right
+    (the reference test above). Strict: once cronsim or forkq gets it right, this fails."""
+    schedule = Schedule(expr, LORD_HOWE)
+    t = at(*local, tz=LORD_HOWE, fold=fold)
+    assert shown(getattr(schedule, lookup)(t), LORD_HOWE) == want
 
 
 # -- one push per due time -------------------------------------------------------------------
