@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -168,8 +169,9 @@ class Processor:
                                  "(is its module in --require, or is a deploy rolling out?)")
             if jobdef.time_limit is None:
                 self._run(jobdef.fn, job, unit.queue)
-            else:
-                self._run_limited(jobdef, job, unit.queue)
+            elif not self._run_limited(unit, jobdef, job):
+                self.current = None
+                return False  # given up by the watchdog, which recorded its failure
         except BaseException as exc:
             if _in_copy:
                 _leave_copy(exc)
@@ -216,15 +218,48 @@ class Processor:
 
     _run = staticmethod(run_job)  # a bound method would cost a call more per job
 
-    def _run_limited(self, jobdef: Any, job: dict[str, Any], queue: str) -> None:
+    def _run_limited(self, unit: Unit, jobdef: Any, job: dict[str, Any]) -> bool:
+        """Run a job under its time limit. False if the watchdog gave it up (and recorded
+        its failure), so that this thread, back from the call it was stuck in, records
+        nothing; otherwise as _run, raising what the job raised."""
         ident = threading.get_ident()
         try:
-            WATCHDOG.arm(ident, jobdef.time_limit, job.get("jid"))
-            self._run(jobdef.fn, job, queue)
-        finally:
-            # inside _perform's try: a limit that fires as the job returns fails it here,
-            # once, or is withdrawn by disarm; it never lands in forkq's code after the job
+            try:
+                WATCHDOG.arm(ident, jobdef.time_limit, job.get("jid"),
+                             functools.partial(self._give_up, unit, jobdef))
+                self._run(jobdef.fn, job, unit.queue)
+            finally:
+                WATCHDOG.disarm(ident)
+        except TimeLimitExceeded:
+            # it may have landed as the disarm above began: this one finishes it, and
+            # nothing more can land (inside _perform's try, so never in forkq's own code)
             WATCHDOG.disarm(ident)
+            if WATCHDOG.settle(ident):
+                raise
+            return False
+        except BaseException:
+            if WATCHDOG.settle(ident):
+                raise
+            return False
+        return WATCHDOG.settle(ident)
+
+    def _give_up(self, unit: Unit, jobdef: Any, limit: float, over: float) -> None:
+        """Record the failure of a job stuck past its limit in a call that cannot be
+        interrupted; run by the watchdog in a thread of its own."""
+        exc = TimeLimitExceeded(f"the job ran longer than its time limit of {limit:g} s and could "
+                                f"not be interrupted; given up {over:.0f} s past it")
+        job = payload.parse(unit.raw)
+        job["queue"] = unit.queue
+        self.failed += 1
+        try:
+            fate = self.manager.write(self.outcomes.failed, job, exc, unit.token, jobdef)
+        except Exception:
+            log.exception("could not record the failure of a job given up past its time limit; it "
+                          "stays in flight, and runs again once its process is replaced",
+                          jid=job.get("jid"))
+            return
+        log.warning("fail", jid=job.get("jid"), queue=unit.queue, fate=fate,
+                    error=f"TimeLimitExceeded: {exc}", **{"class": payload.display_name(job)})
 
     def _malformed(self, unit: Unit, reason: str) -> bool:
         # parked on a queue nobody serves, like the scheduler's and the Lua scripts' malformed

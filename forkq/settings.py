@@ -94,6 +94,7 @@ class Settings:
     # supervisor
     max_memory_mb: float | None = None
     hang_timeout: float = 30.0
+    time_limit_grace: float = 10.0
     poison_after: int = 3
     boot_window: float = 10.0
     pidfile: str | None = None

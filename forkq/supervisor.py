@@ -61,7 +61,8 @@ class Child:
     totals: tuple[int, int] | None = None  # jobs processed and failed, as last pinged
     ready: bool = False                    # has reported since its worker started
     stopping_since: float | None = None   # told to stop (recycle) at this monotonic time
-    reason: str = ""                       # why the master ended it: memory, hang, restart
+    reason: str = ""                       # why the master ended it: memory, hang, restart, time_limit
+    stuck: bool = False                    # a job of its thread is stuck past its time limit
     fatal: str = ""                        # the error it reported just before dying
     finished: list[str] = field(default_factory=list)  # in-flight fields of jobs it finished
     buffer: bytes = b""
@@ -289,6 +290,8 @@ class Supervisor:
                 if self.state == "running":
                     log.info("quiet requested through Redis", slot=child.slot, child_pid=child.pid)
                     self.handle_quiet()
+            elif line == b"L":
+                child.stuck = True  # replaced by check_memory, one recycle at a time
             elif line == b"T":
                 log.info("stop requested through Redis", slot=child.slot, child_pid=child.pid)
                 self.handle_stop(signal.SIGTERM)
@@ -321,7 +324,7 @@ class Supervisor:
         os.close(child.report_r)
         code = os.waitstatus_to_exitcode(status)
         how = f"exit {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-        expected = self.state == "stopping" or child.reason in ("memory", "restart")
+        expected = self.state == "stopping" or child.reason in ("memory", "restart", "time_limit")
         # a child only leaves on its own when told to: an exit 0 nobody asked for is a job
         # calling os._exit(0), and must count against the jobs it held like any crash
         crashed = code != 0 or not expected
@@ -709,13 +712,23 @@ class Supervisor:
     _last_memory_check = 0.0
 
     def check_memory(self) -> None:
+        """Recycle a child over --max-memory, or one whose thread is stuck in a job given
+        up past its time limit (only a new process frees that thread)."""
         limit = self.settings.max_memory_mb
         now = time.monotonic()
-        if limit is None or now - self._last_memory_check < 1.0:
+        if now - self._last_memory_check < 1.0:
             return
         self._last_memory_check = now
         if any(c.stopping_since is not None for c in self.children.values()):
             return  # one recycle at a time keeps the other children working
+        for child in self.children.values():
+            if child.stuck and self.state == "running":
+                log.warning("child has a thread stuck in a job past its time limit; replacing it",
+                            slot=child.slot, child_pid=child.pid)
+                self.retire(child, "time_limit")
+                return
+        if limit is None:
+            return
         for child in self.children.values():
             try:
                 rss_mb = psutil.Process(child.pid).memory_info().rss / 1_048_576

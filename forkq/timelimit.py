@@ -5,8 +5,10 @@ time is up, it raises TimeLimitExceeded in that job's thread (CPython's
 PyThreadState_SetAsyncExc), so the job fails there, with a traceback that shows where it
 was, and is retried as any failure is. A thread is interrupted only between Python
 bytecodes: a job blocked in one long C call (a socket read without a timeout, a
-time.sleep) is interrupted when that call returns. The watchdog logs such a job once,
-with its stack, so that an operator can see what it waits on.
+time.sleep) is interrupted only when that call returns. If it has not ended `grace`
+seconds (--time-limit-grace) past its limit, the watchdog gives it up: it logs the job's
+stack, records the job's failure itself (the thread, if it ever comes back, records
+nothing), and asks for its process to be replaced, since only that frees the thread.
 
 Arming and disarming cost a lock and a dict entry, only for jobs that have a limit.
 """
@@ -18,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from . import logs
@@ -25,9 +28,12 @@ from .errors import TimeLimitExceeded
 
 log = logs.get("forkq.timelimit")
 
-# How long after its limit a job that has not ended is reported as stuck in a C call
-STUCK_REPORT_S = 10.0
+# Seconds past its limit before a job that was not interrupted is given up (the default
+# of --time-limit-grace)
+GRACE_S = 10.0
 _NEVER = float("inf")
+
+GiveUp = Callable[[float, float], None]  # (limit, seconds past it): record the job's failure
 
 
 class Watchdog:
@@ -38,35 +44,45 @@ class Watchdog:
     statements: a plain Lock's with-block is entered and left in C, where threading's
     Condition and Event run Python methods that an exception landing in them would leave
     with their lock held (a deadlock this module had in its first form). The watchdog is
-    woken through a SimpleQueue, whose put is C too."""
+    woken through a SimpleQueue, whose put is C too.
 
-    def __init__(self) -> None:
+    Exactly one side records a job's outcome: its own thread, unless settle() says the
+    watchdog gave the job up first (and called its give_up)."""
+
+    def __init__(self, grace: float = GRACE_S) -> None:
+        self.grace = grace
+        # called once a job is given up: a worker asks its master for a replacement
+        self.on_give_up: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._starting = threading.Lock()
         self._wakeups: queue.SimpleQueue[None] = queue.SimpleQueue()
-        # thread ident -> (deadline on the monotonic clock, limit, jid)
-        self._armed: dict[int, tuple[float, float, Any]] = {}
-        # thread ident -> (time the limit fired, limit, jid) of jobs interrupted, not yet ended
-        self._fired: dict[int, tuple[float, float, Any]] = {}
+        # thread ident -> (deadline on the monotonic clock, limit, jid, give_up)
+        self._armed: dict[int, tuple[float, float, Any, GiveUp | None]] = {}
+        # thread ident -> (time the limit fired, limit, jid, give_up) of jobs interrupted,
+        # not yet ended
+        self._fired: dict[int, tuple[float, float, Any, GiveUp | None]] = {}
+        self._given_up: set[int] = set()
         self._wake_at = _NEVER
         self._thread: threading.Thread | None = None
         self._raise: Any = None
 
-    def arm(self, ident: int, limit: float, jid: Any) -> None:
+    def arm(self, ident: int, limit: float, jid: Any, give_up: GiveUp | None = None) -> None:
         if self._thread is None:  # before this job is armed: nothing can fire at it yet
             with self._starting:
                 if self._thread is None:
                     self._start()
         deadline = time.monotonic() + limit
         with self._lock:
-            self._armed[ident] = (deadline, limit, jid)
+            self._armed[ident] = (deadline, limit, jid, give_up)
             self._fired.pop(ident, None)  # left by a limit that fired before its job's try
+            self._given_up.discard(ident)
             wake = deadline < self._wake_at
         if wake:
             self._wakeups.put(None)
 
     def disarm(self, ident: int) -> None:
-        """Called by the job's own thread once the job ended, however it ended. After this
+        """Called by the job's own thread once the job ended, however it ended; again if a
+        TimeLimitExceeded landed before this returned (a second call is harmless). After it
         returns, no TimeLimitExceeded can reach the thread: one that fired while the job was
         returning (still pending) is withdrawn, so a job is never both done and failed."""
         with self._lock:
@@ -75,6 +91,15 @@ class Watchdog:
             fired = self._fired.pop(ident, None)
         if fired is not None:
             self._raise(ident, None)
+
+    def settle(self, ident: int) -> bool:
+        """After disarm: True if the job's own thread records its outcome, False if the
+        watchdog gave it up and recorded it. Nothing can land in the thread by now."""
+        with self._lock:
+            if ident in self._given_up:
+                self._given_up.discard(ident)
+                return False
+        return True
 
     def _start(self) -> None:
         import ctypes  # only in a process that runs limited jobs: it costs a few ms to import
@@ -95,13 +120,11 @@ class Watchdog:
                 now = time.monotonic()
                 self._fire_due(now)
                 stuck = self._stuck(now)
-                wake = min((d for d, _, _ in self._armed.values()), default=_NEVER)
-                report = min((f + STUCK_REPORT_S for f, _, _ in self._fired.values()), default=_NEVER)
+                wake = min((d for d, _, _, _ in self._armed.values()), default=_NEVER)
+                report = min((f + self.grace for f, _, _, _ in self._fired.values()), default=_NEVER)
                 self._wake_at = wake = min(wake, report)
-            for jid, limit, over, stack in stuck:  # logged outside the lock: a job's arm waits on it
-                log.warning("job ran past its time limit and was not interrupted: its thread is in a "
-                            "call that cannot be interrupted, and the job fails when that call returns",
-                            jid=jid, time_limit_s=limit, over_s=round(over, 1), stack=stack)
+            for jid, limit, over, stack, give_up in stuck:  # outside the lock: arm waits on it
+                self._give_up(jid, limit, over, stack, give_up)
             if stuck:
                 continue
             try:
@@ -111,22 +134,41 @@ class Watchdog:
 
     def _fire_due(self, now: float) -> None:
         """Raise in each thread whose job's time is up; called with the lock held."""
-        for ident in [i for i, (deadline, _, _) in self._armed.items() if deadline <= now]:
-            _, limit, jid = self._armed.pop(ident)
-            self._fired[ident] = (now, limit, jid)
+        for ident in [i for i, (deadline, _, _, _) in self._armed.items() if deadline <= now]:
+            _, limit, jid, give_up = self._armed.pop(ident)
+            self._fired[ident] = (now, limit, jid, give_up)
             self._raise(ident, TimeLimitExceeded)
 
-    def _stuck(self, now: float) -> list[tuple[Any, float, float, str]]:
+    def _stuck(self, now: float) -> list[tuple[Any, float, float, str, GiveUp | None]]:
+        """Jobs still running `grace` past their limit, each taken over once; lock held."""
         stuck = []
-        for ident, (fired, limit, jid) in list(self._fired.items()):
-            if now - fired < STUCK_REPORT_S:
+        for ident, (fired, limit, jid, give_up) in list(self._fired.items()):
+            if now - fired < self.grace:
                 continue
-            # reported once: the entry stays until disarm, with a time that never comes due
-            self._fired[ident] = (_NEVER, limit, jid)
+            # the entry stays, for disarm to withdraw the exception still pending, with a
+            # time that never comes due again
+            self._fired[ident] = (_NEVER, limit, jid, None)
+            if give_up is not None:
+                self._given_up.add(ident)
             frame = sys._current_frames().get(ident)
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "(thread gone)"
-            stuck.append((jid, limit, now - fired, stack))
+            stuck.append((jid, limit, now - fired, stack, give_up))
         return stuck
+
+    def _give_up(self, jid: Any, limit: float, over: float, stack: str, give_up: GiveUp | None) -> None:
+        if give_up is None:
+            log.warning("job ran past its time limit and was not interrupted: its thread is in a "
+                        "call that cannot be interrupted, and the job fails when that call returns",
+                        jid=jid, time_limit_s=limit, over_s=round(over, 1), stack=stack)
+            return
+        log.error("job ran past its time limit and could not be interrupted (its thread is in a "
+                  "call that does not return); recording its failure", jid=jid, time_limit_s=limit,
+                  over_s=round(over, 1), stack=stack)
+        # its own thread: the write rides out a Redis outage, and limits must keep firing
+        threading.Thread(target=give_up, args=(limit, over), name="forkq-timelimit-give-up",
+                         daemon=True).start()
+        if self.on_give_up is not None:
+            self.on_give_up()
 
 
 WATCHDOG = Watchdog()

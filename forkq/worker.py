@@ -27,6 +27,7 @@ from .launcher import Launcher, new_identity
 from .manager import REDIS_ERRORS, Manager
 from .metrics import DeltaReporter
 from .processor import MeteredProcessor, Processor, guard_forks
+from .timelimit import WATCHDOG
 from .queues import QueueOrder
 from .scheduler import Scheduler
 from .settings import STOP_GRACE_S, Settings
@@ -78,6 +79,8 @@ class Worker:
                                s.block_timeout, self.master,
                                processor=MeteredProcessor if metered else Processor,
                                heartbeat_interval=s.heartbeat_interval)
+        WATCHDOG.grace = s.time_limit_grace
+        WATCHDOG.on_give_up = self._stuck_thread
         self.metrics = (DeltaReporter([p.table for p in self.manager.processors])  # type: ignore[attr-defined]
                         if metered else None)
         info = {"tag": s.tag, "concurrency": s.concurrency, "queues": self.manager.fetch.order.names,
@@ -100,6 +103,19 @@ class Worker:
                  queues=self.manager.fetch.order.names, mode=self.manager.fetch.order.mode)
         self._loop()
         return self._stop()
+
+    def _stuck_thread(self) -> None:
+        """A job was given up past its time limit, its thread stuck in a call: only a new
+        process gets the thread back. A child asks its master for one; a --no-fork worker
+        has no master to ask."""
+        if self.report_fd is None:
+            log.error("this worker runs with one thread fewer until the stuck call returns; "
+                      "restart it to get the thread back")
+            return
+        try:
+            os.write(self.report_fd, b"L\n")
+        except OSError:
+            pass  # the master is gone: this child is stopping anyway
 
     def _loop(self) -> None:
         fds = [self._cmd_r] + ([self.control_fd] if self.control_fd is not None else [])

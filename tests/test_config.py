@@ -170,6 +170,7 @@ SAMPLES = {
     "log_format": ("text", '"text"', "text"),
     "max_memory_mb": ("512", "512", 512.0),
     "hang_timeout": ("12", "12", 12.0),
+    "time_limit_grace": ("3", "3", 3.0),
     "poison_after": ("5", "5", 5),
     "recovery_delay": ("90", "90", 90.0),
     "pidfile": ("/run/x.pid", '"/run/x.pid"', "/run/x.pid"),

@@ -3,6 +3,7 @@ its limit fails with TimeLimitExceeded in its own thread and is retried, the thr
 with other jobs, and a limit that fires as the job returns never leaks past the job."""
 
 import json
+import signal
 import sys
 import threading
 import time
@@ -15,6 +16,7 @@ from forkq import logs, timelimit
 from forkq.errors import TimeLimitExceeded
 from corekit import core_jobs, forkq_client, records, wait_records, workers  # noqa: F401
 from helpers import wait_until
+from test_supervisor import push, start_master, sup_events, wait_event  # noqa: F401
 
 
 @pytest.mark.timeout(30)
@@ -132,11 +134,10 @@ def test_a_limit_firing_while_the_job_waits_to_disarm_lands_inside_the_job():
 
 @pytest.mark.timeout(20)
 def test_a_job_blocked_in_a_call_is_logged_with_its_stack_and_fails_when_it_returns(monkeypatch, tmp_path):
-    monkeypatch.setattr(timelimit, "STUCK_REPORT_S", 0.3)
     out = tmp_path / "log"
     stream = open(out, "w")
     logs.configure(level="warning", fmt="json", stream=stream)
-    dog = timelimit.Watchdog()
+    dog = timelimit.Watchdog(grace=0.3)
     release = threading.Event()
     ended = []
 
@@ -182,3 +183,34 @@ def test_a_push_cannot_carry_a_time_limit():
     assert limited.time_limit == 3.0
     with pytest.raises(TypeError, match="time_limit"):
         limited.options(time_limit=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_job_stuck_in_a_call_past_its_limit_is_failed_and_its_child_replaced(start_master, redis_url, r):
+    """A job blocked in a call that never returns cannot be interrupted: without a hard
+    end it held its thread, and its in-flight entry, for as long as the child lived."""
+    m = start_master(processes=1, concurrency=2, args=["--time-limit-grace", "0.5", "--timeout", "1"])
+    (before,) = m.wait_slots().values()
+    jid = push(redis_url, "sup.stuck", "stuck")
+    (start,) = wait_event(r, m, "start", "stuck")
+    assert start["pid"] == before
+
+    member = wait_until(lambda: r.zrange("retry", 0, -1), timeout=10, message=f"a retry entry\n{m.tail()}")
+    entry = json.loads(member[0])
+    assert entry["jid"] == jid and entry["error_class"].endswith("TimeLimitExceeded")
+    assert "could not be interrupted" in entry["error_message"]
+    assert entry["failed_at"] - start["at"] > 0.7  # the limit, then the grace
+
+    # the child that holds the stuck thread is replaced in its slot
+    after = wait_until(lambda: (s := m.slots()) and s.get(0) not in (None, before) and s[0],
+                       timeout=20, message=f"slot 0 replaced\n{m.tail()}")
+    exits = [e for e in m.log_events("child exited") if e.get("child_pid") == before]
+    assert exits and exits[0]["reason"] == "time_limit"
+    push(redis_url, "sup.quick", "after")
+    (done,) = wait_event(r, m, "done", "after")
+    assert done["pid"] == after
+    # recorded once, as a failure: neither requeued by the replacement nor run again
+    assert len(sup_events(r, "start", "stuck")) == 1
+    assert r.zcard("retry") == 1 and r.llen("queue:default") == 0
+    m.signal(signal.SIGTERM)
+    assert m.wait(20) == 0

@@ -146,3 +146,14 @@ def signal_own_job(tag):
         reader.close()
         writer.close()
     record("done", tag, ended=ended)
+
+
+@forkq.job(name="sup.stuck", retry=1, retry_in=lambda count, exc: 1000, time_limit=0.3)
+def stuck_job(tag):
+    """Past its limit in one C call that never returns: the limit cannot interrupt it."""
+    record("start", tag)
+    import threading
+    lock = threading.Lock()
+    lock.acquire()
+    lock.acquire()  # a second acquire of the same lock: never returns
+    record("done", tag)
