@@ -192,3 +192,85 @@ def sweep(client: redis.Redis, recovery_delay: float, holder: str, *, this_host_
     finally:
         client.eval(_RELEASE, 1, LOCK, holder)
     return recovered
+
+
+class Sweeper:
+    """Turns of the orphan sweep, for whichever process runs them: a master from its loop, a
+    --no-fork worker from a thread of its own (a fleet of those has no master to do it).
+
+    Besides the interval, it keeps what tells a stale heartbeat from a dead process: when
+    Redis last came back from an outage, a refusal of writes or a stall, as seen by this
+    process. Nobody could beat meanwhile, so heartbeats mean something again only once Redis
+    has answered for the delay plus a heartbeat (`settled`). The stray scan (strays.Scanner)
+    goes by the same record, and so does any other Redis call of the same loop (note_stall)."""
+
+    def __init__(self, holder: str, recovery_delay: float, heartbeat_interval: float,
+                 poison_after: int) -> None:
+        self.holder = holder  # the lock's value: the process that sweeps
+        self.recovery_delay = recovery_delay
+        self.heartbeat_interval = heartbeat_interval
+        self.poison_after = poison_after
+        # a dead forkq's jobs are back within about delay + delay/4 + one heartbeat
+        self.every = max(1.0, min(recovery_delay / 4, 15.0))
+        self.next_at = 0.0
+        self.ok_since: float | None = None  # monotonic: Redis has answered since
+        self.back_at = 0.0  # the same moment in epoch seconds, as heartbeats are written
+
+    def turn(self, client: redis.Redis, *, boot: bool = False,
+             skip: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, Requeued]]:
+        """Sweep if one is due (at `boot`, always); [(identity, counts)] of owners recovered.
+
+        At boot, only owners on this host whose master is gone (a restart after a crash)
+        are recovered, at once. Later, owners with stale heartbeats are, but only once
+        `settled`. `skip`: identities this process answers for itself (a master's children)."""
+        now = time.monotonic()
+        if not boot and now < self.next_at:
+            return []
+        self.next_at = now + self.every
+        settled = self.settled(now)
+        try:
+            if self.ok_since is None:
+                client.ping()
+                self.ok_since, self.back_at = now, time.time()
+            found = sweep(client, self.recovery_delay if settled else float("inf"), self.holder,
+                          this_host_now=True, skip=skip, stall_limit=self.stall_limit,
+                          poison_after=self.poison_after, beats_since=self.back_at)
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+            self.ok_since = None
+            return []
+        except Exception as exc:
+            if writes_refused(exc):
+                # BUSY on a read past the lock: nobody can beat now either, so heartbeats
+                # count again only once Redis has answered for a while, as after an outage
+                self.ok_since = None
+                return []
+            log.exception("orphan sweep failed")
+            return []
+        if found is None:
+            self.stalled("the orphan sweep")
+            return []
+        return found
+
+    def settled(self, now: float) -> bool:
+        """Whether Redis has answered us long enough (the delay plus a heartbeat) for stale
+        heartbeats to mean dead processes: after an outage or a stall every one looks stale."""
+        return (self.ok_since is not None
+                and now - self.ok_since >= self.recovery_delay + self.heartbeat_interval)
+
+    @property
+    def stall_limit(self) -> float:
+        return min(1.0, self.recovery_delay / 4)
+
+    def note_stall(self, started: float, what: str) -> None:
+        """After a Redis call of the same loop that succeeded: if it took long, Redis
+        stalled (paused, a slow command) with it waiting, and nobody could beat meanwhile.
+        The orphan sweep sees a stall by its own timing only; after one spent elsewhere it
+        found Redis quick again and every heartbeat stale, and took live processes' running
+        jobs for dead ones', to run twice."""
+        if time.monotonic() - started > self.stall_limit:
+            self.stalled(what)
+
+    def stalled(self, what: str) -> None:
+        log.warning(f"Redis stalled during {what}; no process is judged dead until "
+                    "heartbeats have had time to resume")
+        self.ok_since, self.back_at = time.monotonic(), time.time()

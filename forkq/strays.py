@@ -54,8 +54,8 @@ from typing import Any, NamedTuple
 import redis
 
 from . import keys, logs
-from .fetch import Requeued, requeue_stray, writes_refused
-from .orphans import _lease, _owner_info
+from .fetch import Requeued, refusal, requeue_stray, writes_refused
+from .orphans import Sweeper, _lease, _owner_info
 
 log = logs.get("forkq.strays")
 
@@ -75,6 +75,8 @@ SLICE_CALLS = 50
 # At most this many noted identities are taken in one slice; more wait for the next.
 TAKES_PER_SLICE = 100
 LOCK_PX = 30_000
+# While a pass is under way, a slice is scanned this often (each about SLICE_S long)
+SLICE_EVERY_S = 1.0
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 _INFLIGHT = keys.inflight("").encode()
 _LANDING = re.compile(rb"forkq:landing:(.+?:\d+:[0-9a-f]{12}):(.+)\Z", re.S)
@@ -246,3 +248,57 @@ def _take(client: redis.Redis, now_ms: int, recovery_delay: float,
                         unregistered_for_s=round((now_ms - record["at"]) / 1000))
         recovered.append((identity, counts))
     return recovered
+
+
+class Scanner:
+    """Turns of the stray scan for whichever process runs them (a master's loop, a --no-fork
+    worker's sweep thread): a slice a second while a pass is under way, else a look every
+    sweep interval whether one is due or something noted can be taken. It goes by the orphan
+    sweeper's record of Redis's health, and adds to it what it meets."""
+
+    def __init__(self, sweeper: Sweeper) -> None:
+        self.sweeper = sweeper
+        self.next_at = 0.0
+        self._refused = False  # warned that Redis refuses what stray recovery needs
+
+    def turn(self, client: redis.Redis) -> list[tuple[str, Requeued]]:
+        """Take a slice if one is due; [(identity, counts)] of structures put back."""
+        now = time.monotonic()
+        sweeper = self.sweeper
+        # Not while the orphan sweep finds Redis unreachable: each call here would wait out
+        # the socket timeout again on the same outage, and the caller's loop (a master's
+        # signals, reaping, stop deadline) would turn once per two timeouts instead of one
+        if now < self.next_at or sweeper.ok_since is None:
+            return []
+        self.next_at = now + sweeper.every
+        try:
+            # as for orphans: after an outage nobody could beat, so a live process swept while
+            # silent may not have registered again yet
+            done = step(client, sweeper.holder, sweeper.recovery_delay, confirm=sweeper.settled(now),
+                        poison_after=sweeper.poison_after)
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+            # noted here as the orphan sweep notes it: met here, an outage that had ended by
+            # the sweep's next turn left every heartbeat stale and the sweep none the wiser
+            sweeper.ok_since = None
+            return []
+        except redis.ResponseError as exc:
+            if writes_refused(exc):
+                sweeper.ok_since = None  # nobody can beat either (see Sweeper.turn)
+            # SCAN or EVALSHA refused to an ACL user or renamed away, a busy script: one line
+            # while it lasts, not one a look
+            if not self._refused:
+                why = f"Redis {refusal(exc)}" if writes_refused(exc) else "Redis refused a command"
+                log.warning(f"stray recovery cannot run: {why}; jobs in private structures no "
+                            "registered process holds are not put back meanwhile", error=str(exc))
+                self._refused = True
+            return []
+        except Exception:
+            log.exception("stray recovery failed")
+            return []
+        self._refused = False
+        sweeper.note_stall(now, "stray recovery")
+        if done is None:
+            return []
+        if done.scanning:
+            self.next_at = now + SLICE_EVERY_S
+        return done.recovered

@@ -43,9 +43,6 @@ CHILD_SHRUGS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # none of them.
 CHILD_IGNORES = (signal.SIGTSTP, signal.SIGTTIN)
 CRASH_LOOP_LIMIT = 3
-# While a stray-recovery pass is under way, the master scans one slice of the keyspace this
-# often (each about strays.SLICE_S long)
-STRAY_SLICE_EVERY_S = 1.0
 
 
 @dataclass
@@ -113,14 +110,10 @@ class Supervisor:
         self._sig_r, self._sig_w = os.pipe()
         self.exit_code = 0
         self._ready_sent = False
-        self._redis_ok_since: float | None = None
-        self._redis_back_at = 0.0  # the same moment in epoch seconds, as heartbeats are written
         self._requeue_retry_at = 0.0   # after Redis failed a requeue, don't block on it again
-        self._next_sweep = 0.0
-        # a dead forkq's jobs are back within about delay + delay/4 + one heartbeat
-        self._sweep_every = max(1.0, min(settings.recovery_delay / 4, 15.0))
-        self._next_strays = 0.0
-        self._strays_refused = False  # warned that Redis refuses what stray recovery needs
+        self.sweeper = orphans.Sweeper(self.identity, settings.recovery_delay,
+                                       settings.heartbeat_interval, settings.poison_after)
+        self.scanner = strays.Scanner(self.sweeper)
         self._watchdog_every = systemd.watchdog_interval()
         self._last_watchdog = 0.0
         self.metrics: MetricsServer | None = None
@@ -402,7 +395,7 @@ class Supervisor:
                     break
                 time.sleep(0.25)
                 continue
-            self._note_stall(started, "a dead child's requeue")
+            self.sweeper.note_stall(started, "a dead child's requeue")
             self.pending_requeue.pop(0)
             done[identity] = (counts.requeued, counts.poisoned)
             self.stats.add(counts)
@@ -471,112 +464,20 @@ class Supervisor:
 
     def sweep_orphans(self, boot: bool = False) -> None:
         """Recover the jobs of forkq processes that died with their master (see orphans.py).
-
-        At boot, only owners on this host whose master is gone (a restart after a crash)
-        are recovered, at once. Later, owners with stale heartbeats are, but only once Redis
-        has answered us for the recovery delay plus a heartbeat: after an outage every
-        heartbeat looks stale, and live processes need time to beat again."""
-        now = time.monotonic()
-        if not boot and (now < self._next_sweep or self.state == "stopping"):
+        Not this master's children: it puts back theirs itself, the moment they die."""
+        if self.state == "stopping" and not boot:
             return
-        self._next_sweep = now + self._sweep_every
-        s = self.settings
-        settled = self._settled(now)
-        try:
-            if self._redis_ok_since is None:
-                self.redis.ping()
-                self._redis_ok_since, self._redis_back_at = now, time.time()
-            found = orphans.sweep(self.redis, s.recovery_delay if settled else float("inf"),
-                                  self.identity, this_host_now=True,
-                                  skip={c.identity for c in self.children.values()},
-                                  stall_limit=self._stall_limit,
-                                  poison_after=s.poison_after, beats_since=self._redis_back_at)
-        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-            self._redis_ok_since = None
-            return
-        except Exception as exc:
-            if writes_refused(exc):
-                # BUSY on a read past the lock: nobody can beat now either, so heartbeats
-                # count again only once Redis has answered for a while, as after an outage
-                self._redis_ok_since = None
-                return
-            log.exception("orphan sweep failed")
-            return
-        if found is None:
-            self._stalled("the orphan sweep")
-            return
-        for _identity, counts in found:
+        for _identity, counts in self.sweeper.turn(self.redis, boot=boot,
+                                                   skip={c.identity for c in self.children.values()}):
             self.stats.add(counts)
-
-    def _settled(self, now: float) -> bool:
-        """Whether Redis has answered us long enough (the delay plus a heartbeat) for stale
-        heartbeats to mean dead processes: after an outage or a stall every one looks stale."""
-        s = self.settings
-        return (self._redis_ok_since is not None
-                and now - self._redis_ok_since >= s.recovery_delay + s.heartbeat_interval)
-
-    @property
-    def _stall_limit(self) -> float:
-        return min(1.0, self.settings.recovery_delay / 4)
-
-    def _note_stall(self, started: float, what: str) -> None:
-        """After a Redis call of the master's loop that succeeded: if it took long, Redis
-        stalled (paused, a slow command) with it waiting, and nobody could beat meanwhile.
-        The orphan sweep sees a stall by its own timing only; after one spent elsewhere it
-        found Redis quick again and every heartbeat stale, and took live processes' running
-        jobs for dead ones', to run twice."""
-        if time.monotonic() - started > self._stall_limit:
-            self._stalled(what)
-
-    def _stalled(self, what: str) -> None:
-        log.warning(f"Redis stalled during {what}; no process is judged dead until "
-                    "heartbeats have had time to resume")
-        self._redis_ok_since, self._redis_back_at = time.monotonic(), time.time()
 
     def sweep_strays(self) -> None:
         """Put back jobs from private structures that no registered process holds, written
         after their process was swept (a claim stuck in the network), a slice of the keyspace
-        at a time (see strays.py): a slice a second while a pass is under way, else a look
-        every sweep interval whether one is due or something noted can be taken."""
-        now = time.monotonic()
-        # Not while the orphan sweep finds Redis unreachable: each call here would wait out
-        # the socket timeout again on the same outage, and the loop (signals, reaping, the
-        # stop deadline) would turn once per two timeouts instead of one
-        if now < self._next_strays or self.state == "stopping" or self._redis_ok_since is None:
+        at a time (see strays.py)."""
+        if self.state == "stopping":
             return
-        self._next_strays = now + self._sweep_every
-        s = self.settings
-        try:
-            # as for orphans: after an outage nobody could beat, so a live process swept while
-            # silent may not have registered again yet
-            done = strays.step(self.redis, self.identity, s.recovery_delay, confirm=self._settled(now),
-                               poison_after=s.poison_after)
-        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-            # noted here as the orphan sweep notes it: met here, an outage that had ended by
-            # the sweep's next turn left every heartbeat stale and the sweep none the wiser
-            self._redis_ok_since = None
-            return
-        except redis.ResponseError as exc:
-            if writes_refused(exc):
-                self._redis_ok_since = None  # nobody can beat either (see sweep_orphans)
-            # SCAN or EVALSHA refused to an ACL user or renamed away, a busy script: one line
-            # while it lasts, not one a look
-            if not self._strays_refused:
-                why = f"Redis {refusal(exc)}" if writes_refused(exc) else "Redis refused a command"
-                log.warning(f"stray recovery cannot run: {why}; jobs in private structures no "
-                            "registered process holds are not put back meanwhile", error=str(exc))
-                self._strays_refused = True
-            return
-        except Exception:
-            log.exception("stray recovery failed")
-            return
-        self._strays_refused = False
-        self._note_stall(now, "stray recovery")
-        if done is None:
-            return
-        if done.scanning:
-            self._next_strays = now + STRAY_SLICE_EVERY_S
-        for _identity, counts in done.recovered:
+        for _identity, counts in self.scanner.turn(self.redis):
             self.stats.add(counts)
             self.stats.strays += counts.requeued
 

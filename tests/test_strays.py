@@ -309,7 +309,7 @@ def test_a_stall_that_stray_recovery_waits_out_does_not_make_live_processes_look
     forkq.Client(own_redis.url).push("Any", [1])
     assert len(live.fetch(1)) == 1  # a job it is running
     sup = Supervisor(Settings(redis_url=own_redis.url, recovery_delay=1.0, heartbeat_interval=0.5))
-    sup._redis_ok_since, sup._redis_back_at = time.monotonic() - 10, time.time() - 10  # settled
+    sup.sweeper.ok_since, sup.sweeper.back_at = time.monotonic() - 10, time.time() - 10  # settled
     if call == "requeue":
         sup.pending_requeue.append(("dead:1:000000000000", True))  # a child just reaped
     slice_ = threading.Thread(target=sup.sweep_strays if call == "strays" else sup.requeue_pending)
@@ -320,7 +320,7 @@ def test_a_stall_that_stray_recovery_waits_out_does_not_make_live_processes_look
     finally:
         own_redis.resume()
     slice_.join(10)
-    sup._next_sweep = 0.0
+    sup.sweeper.next_at = 0.0
     sup.sweep_orphans()
     assert r.hlen(keys.inflight(live.identity)) == 1 and r.llen("queue:default") == 0
     assert r.hexists(keys.OWNERS, live.identity)
@@ -342,22 +342,22 @@ def test_a_master_facing_a_frozen_redis_waits_on_one_call_a_turn_not_two(own_red
     sup = Supervisor(Settings(redis_url=own_redis.url, processes=1, recovery_delay=4.0))
     try:
         sup.sweep_orphans(boot=True)
-        assert sup._redis_ok_since is not None
+        assert sup.sweeper.ok_since is not None
         own_redis.pause()
         # a turn whose orphan sweep is due: it meets the outage; the slice does not wait too
-        sup._next_sweep = sup._next_strays = 0.0
+        sup.sweeper.next_at = sup.scanner.next_at = 0.0
         assert _timed(sup.sweep_orphans) >= 4.0
         assert _timed(sup.sweep_strays) < 2.0
         # a turn where the slice is the first to meet it (the orphan sweep not due): it
         # notes the outage, so the next turn's slice does not wait on it again
         own_redis.resume()
-        sup._next_sweep = 0.0
+        sup.sweeper.next_at = 0.0
         sup.sweep_orphans()
-        assert sup._redis_ok_since is not None
+        assert sup.sweeper.ok_since is not None
         own_redis.pause()
-        sup._next_strays = 0.0
+        sup.scanner.next_at = 0.0
         assert _timed(sup.sweep_strays) >= 4.0
-        sup._next_strays = 0.0
+        sup.scanner.next_at = 0.0
         assert _timed(sup.sweep_strays) < 2.0
     finally:
         own_redis.resume()
