@@ -9,13 +9,14 @@ anything written afterwards in its name is looked at by nobody, and its jobs wai
   process's own final requeue);
 - an owners entry deleted by hand, an RDB restored beside a newer registry, a bug.
 
-So, now and then, a master walks the keyspace with a COUNT-limited SCAN for in-flight
-hashes and landing lists, one slice per call of `step`, and puts back the jobs of those
-whose identity has no owners entry. Sidekiq Pro's super_fetch does the same kind of look
-for the private queues of processes that are gone, about once an hour. One slice at a
-time cluster-wide (a lock with an expiry); the cursor is kept in Redis, so whichever master
-takes the next slice goes on where the last one stopped; the next pass starts `interval`
-seconds after one ends (an expiring key: Redis's clock, not a host's).
+So, now and then, a master (or a --no-fork worker, which has none) walks the keyspace with
+a COUNT-limited SCAN for in-flight hashes and landing lists, one slice per call of `step`,
+and puts back the jobs of those whose identity has no owners entry. Sidekiq Pro's
+super_fetch does the same kind of look for the private queues of processes that are gone,
+about once an hour. One slice at a time cluster-wide (a lock with an expiry); the cursor is
+kept in Redis, so whichever process takes the next slice goes on where the last one
+stopped; the next pass starts `interval` seconds after one ends (an expiring key: Redis's
+clock, not a host's).
 
 Which structures are taken (never a live process's):
 - A registered process's, never: a live process registers (alive key, then owners entry,

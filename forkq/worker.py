@@ -5,6 +5,9 @@ one byte each, arriving on one of: the self-pipe that this process's own signal 
 write to (`forkq start --no-fork`), the pipe from the master (a forked child), or the
 heartbeat relaying a `-signals` entry from Redis. In a child, EOF on the master's pipe
 means the master is gone: the child stops gracefully on its own.
+
+Without a master, the worker also runs the master's backstops (Sweeps): in a fleet of
+--no-fork workers, one process per pod, nothing else puts back a dead pod's jobs.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 import redis
 
-from . import __version__, client, cron, logs, titles
+from . import __version__, client, cron, logs, orphans, strays, titles
 from .fetch import refusal, requeue_owner, writes_refused
 from .launcher import Launcher, new_identity
 from .manager import REDIS_ERRORS, Manager
@@ -53,6 +56,7 @@ class Worker:
         self.stopping = False
         self.metrics: DeltaReporter | None = None
         self._handed: set[str] = set()  # acks already told to the master (_hand_over_acks)
+        self.sweeps: Sweeps | None = None
 
     def connect(self) -> redis.Redis:
         # socket_timeout bounds a command when Redis stops answering (paused, cut); a
@@ -99,6 +103,10 @@ class Worker:
         self.scheduler.start()
         if self.cron is not None:
             self.cron.start()
+        if self.master is None:
+            # a child's master sweeps; this process is the only forkq some hosts run
+            self.sweeps = Sweeps(s, self.identity)
+            self.sweeps.start()
         log.info("worker started", identity=self.identity, concurrency=s.concurrency,
                  queues=self.manager.fetch.order.names, mode=self.manager.fetch.order.mode)
         self._loop()
@@ -209,6 +217,8 @@ class Worker:
         self.scheduler.stop()
         if self.cron is not None:
             self.cron.stop()
+        if self.sweeps is not None:
+            self.sweeps.stop()
         finished = self.manager.stop(deadline)
         self._hand_over_acks()  # before any stop-time write that a frozen Redis could hold
         if not finished:
@@ -302,6 +312,49 @@ class Worker:
         self.manager.fetch.flush_acks()
         requeued, _ = requeue_owner(self.manager.redis, self.identity, self.manager.fetch.order.names)
         return requeued
+
+
+class Sweeps:
+    """The orphan sweep and the stray scan, as a master runs them (orphans.Sweeper,
+    strays.Scanner: same lock, intervals, delay and settling rules), for a worker with no
+    master. A thread and a Redis connection of their own: a sweep waiting on Redis holds up
+    neither the heartbeat nor a job, and a master's socket timeout bounds each wait."""
+
+    def __init__(self, settings: Settings, identity: str) -> None:
+        self.identity = identity
+        self.redis = client.connect(settings.redis_url, socket_timeout=5)
+        self.sweeper = orphans.Sweeper(identity, settings.recovery_delay, settings.heartbeat_interval,
+                                       settings.poison_after)
+        self.scanner = strays.Scanner(self.sweeper)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="forkq-sweeps", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """No sweep after this returns, bar one stuck on a frozen Redis: that one takes
+        nothing of ours (it skips this process) and its lock expires by itself, so the stop
+        does not wait the socket timeout for it."""
+        self._stop.set()
+        self._thread.join(1.0)
+
+    def _run(self) -> None:
+        boot = True
+        while not self._stop.is_set():
+            # the first turn is a master's boot sweep: a predecessor on this host whose
+            # process is gone (systemd restarting a --no-fork worker) is recovered at once
+            self.sweeper.turn(self.redis, boot=boot, skip={self.identity})
+            boot = False
+            if self._stop.is_set():
+                break
+            self.scanner.turn(self.redis)
+            # the scanner waits for the sweeper while Redis has not answered it (Scanner.turn)
+            due = self.sweeper.next_at
+            if self.sweeper.ok_since is not None:
+                due = min(due, self.scanner.next_at)
+            self._stop.wait(max(due - time.monotonic(), 0.05))
+        self.redis.close()
 
 
 _copies_reset = False

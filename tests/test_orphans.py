@@ -18,7 +18,7 @@ import redis
 
 import forkq
 from forkq import keys, orphans
-from helpers import wait_until
+from helpers import CommandHolder, ForkqWorker, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "tests" / "apps" / "orphan_jobs.py"
@@ -313,3 +313,122 @@ def test_a_forkq_that_beats_less_often_than_anothers_delay_keeps_its_running_job
     assert not b.events("recovered a dead process's jobs")
     (ran,) = [x.decode() for x in r.lrange("orphan:ran", 0, -1)]
     assert ran.startswith("once:")
+
+
+def _jids_in(r: redis.Redis, identity: str) -> list[str]:
+    return [json.loads(v)["jid"] for v in r.hvals(keys.inflight(identity))]
+
+
+def _needs_a_second_hostname() -> None:
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) for a second hostname")
+    probe = subprocess.run(["unshare", "--uts", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a UTS namespace here: {probe.stderr.decode().strip()}")
+
+
+@pytest.mark.timeout(60)
+def test_a_fleet_of_no_fork_workers_runs_again_the_job_of_one_whose_pod_was_killed(instances, r, redis_url):
+    """One --no-fork worker per pod, no master anywhere (Kubernetes): a pod SIGKILLed, or
+    whose node vanished, left its running job in its private hash, and no worker ever put
+    it back. The other pod is on another host, so only the heartbeat rule can apply."""
+    _needs_a_second_hostname()
+    # the shortest settings that keep a lease: 3 beats of 0.5 s over a 1 s delay
+    timing = ("--no-fork", "--concurrency", "1", "--recovery-delay", "1")
+    a = instances("a", *timing, host="forkq-pod-a")
+    (a_id,) = wait_until(lambda: _owners_on(r, "forkq-pod-a"), timeout=20, message="a registered")
+    jid = forkq.Client(redis_url).push("orphan.work", ["long", 30])
+    wait_until(lambda: _jids_in(r, a_id) == [jid], timeout=10, message="a runs the job")
+    b = instances("b", *timing)
+    (b_id,) = wait_until(lambda: _owners_on(r, socket.gethostname()), timeout=20, message="b registered")
+    wait_until(lambda: r.hget(a_id, "beat") and r.hget(b_id, "beat"), timeout=10, message="both beating")
+    a.kill_all()
+    last_beat = float(r.hget(a_id, "beat"))
+    # the README's worst case here: the 1.5 s lease, a 1 s sweep interval and a beat
+    wait_until(lambda: _jids_in(r, b_id) == [jid], timeout=15,
+               message="b runs the dead pod's job again")
+    recovered_after = time.time() - last_beat
+    assert recovered_after >= 1.5 - 0.6, f"taken {recovered_after:.2f}s after a's last beat"
+    # with the time b takes to see a suspect (a beat) and start it, and scheduling slack
+    assert recovered_after < 1.5 + 1.0 + 0.5 + 0.5 + 2.0, f"back {recovered_after:.2f}s after a's last beat"
+    (event,) = b.events("recovered a dead process's jobs")
+    assert event["owner"] == a_id and event["requeued"] == 1 and event["suspects"] == 1
+    assert not r.hexists(keys.OWNERS, a_id) and not r.exists(keys.inflight(a_id))
+
+
+@pytest.mark.timeout(60)
+def test_a_no_fork_worker_restarted_on_its_host_recovers_its_predecessors_jobs_at_boot(instances, r, redis_url):
+    """systemd restarting a --no-fork worker after a SIGKILL: as a master does at boot, the new
+    one puts back what the old one held at once, without waiting for the (default) delay."""
+    a = instances("a", "--no-fork", "--concurrency", "1")
+    (a_id,) = wait_until(lambda: r.hkeys(keys.OWNERS), timeout=20, message="a registered")
+    jid = forkq.Client(redis_url).push("orphan.work", ["long", 30])
+    wait_until(lambda: _jids_in(r, a_id.decode()) == [jid], timeout=10, message="a runs the job")
+    a.kill_all()
+    b = instances("b", "--no-fork", "--concurrency", "1")
+    (event,) = wait_until(lambda: b.events("recovered a dead process's jobs"), timeout=15,
+                          message="b recovered a's job at boot")
+    assert event["owner"] == a_id.decode() and event["requeued"] == 1
+    (b_id,) = wait_until(lambda: [i for i in r.hkeys(keys.OWNERS) if i != a_id], timeout=10,
+                         message="b registered")
+    wait_until(lambda: _jids_in(r, b_id.decode()) == [jid], timeout=10, message="b runs the job")
+
+
+@pytest.mark.timeout(60)
+def test_masters_and_no_fork_workers_sweep_together_without_taking_a_live_ones_jobs(instances, r, redis_url):
+    """A mixed fleet on one Redis, all with a 1 s delay: a master and a --no-fork worker here,
+    a --no-fork worker on another host that dies. Its job is put back once, by one of them,
+    and the jobs the live ones are running stay theirs through several leases."""
+    _needs_a_second_hostname()
+    timing = ("--concurrency", "1", "--recovery-delay", "1")
+    a = instances("a", "--no-fork", "--queue", "a", *timing, host="forkq-pod-a")
+    b = instances("b", "--no-fork", "--queue", "b", *timing)
+    m = instances("m", "--processes", "1", "--queue", "m", *timing)
+    wait_until(lambda: r.hlen(keys.OWNERS) == 3, timeout=20, message="a, b and m's child registered")
+    client = forkq.Client(redis_url)
+    jids = {q: client.push("orphan.work", [q, 30], queue=q) for q in "abm"}
+    identities = {json.loads(v)["queues"][0]: i.decode() for i, v in r.hgetall(keys.OWNERS).items()}
+    wait_until(lambda: all(_jids_in(r, identities[q]) == [jids[q]] for q in "abm"), timeout=10,
+               message="each runs its own job")
+    wait_until(lambda: all(r.hget(i, "beat") for i in identities.values()), timeout=10,
+               message="all beating")
+    a.kill_all()
+    wait_until(lambda: r.llen(keys.suspects("a")) == 1, timeout=15, message="a's job put back")
+    # two leases (1.5 s: 3 beats of 0.5 s), three sweep intervals (1 s)
+    until = time.monotonic() + 3
+    while time.monotonic() < until:
+        for q in "bm":
+            assert _jids_in(r, identities[q]) == [jids[q]], f"{q}'s running job was taken from it"
+            assert r.hexists(keys.OWNERS, identities[q])
+        time.sleep(0.1)  # the pace of the watch, not a synchronisation
+    recovered = b.events("recovered a dead process's jobs") + m.events("recovered a dead process's jobs")
+    assert [(e["owner"], e["requeued"]) for e in recovered] == [(identities["a"], 1)]
+    assert r.lrange(keys.suspects("a"), 0, -1) and r.get(keys.CRASH_PREFIX + jids["a"]) == b"1"
+    assert r.llen("queue:a") == 0 and not r.exists(keys.inflight(identities["a"]))
+
+
+@pytest.mark.timeout(60)
+def test_a_no_fork_workers_sweep_stuck_on_redis_holds_up_neither_its_heartbeat_nor_its_jobs(own_redis):
+    """The sweep's lock request held on its way, as on a partition that catches only its
+    connection: the worker beats, runs jobs and stops in time all the same."""
+    holder = CommandHolder(own_redis.port, marker=orphans.LOCK.encode())
+    r = own_redis.client()
+    worker = ForkqWorker(f"redis://127.0.0.1:{holder.port}/0", APP, concurrency=1,
+                         extra_args=["--heartbeat-interval", "0.5", "--recovery-delay", "1",
+                                     "--timeout", "1"]).start()
+    try:
+        assert holder.holding.wait(20), worker.log_tail()
+        (identity,) = wait_until(lambda: r.hkeys(keys.OWNERS), timeout=10, message="registered")
+        first = wait_until(lambda: r.hget(identity, "beat"), timeout=10, message="a beat")
+        wait_until(lambda: r.hget(identity, "beat") != first, timeout=5, message="the next beat")
+        forkq.Client(own_redis.url).push("orphan.work", ["quick", 0])
+        wait_until(lambda: r.llen("orphan:ran") == 1, timeout=10, message="the job ran")
+        started = time.monotonic()
+        assert worker.stop(timeout=15) == 0, worker.log_tail()
+        assert time.monotonic() - started < 5, "the stop waited for the stuck sweep"
+    finally:
+        holder.close()
+        if worker.proc.poll() is None:
+            worker.proc.kill()
+            worker.proc.wait()
+        r.close()

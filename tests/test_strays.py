@@ -270,6 +270,30 @@ def test_a_master_puts_back_a_stray_and_counts_it(redis_url, r, tmp_path):
 
 
 @pytest.mark.timeout(30)
+def test_a_no_fork_worker_puts_back_a_stray_too(redis_url, r, tmp_path):
+    """A fleet of --no-fork workers has no master: a stray waited for one for good."""
+    gone = "elsewhere:4243:abcdefabcdef"
+    job = json.dumps({"class": "orphan.work", "args": ["s", 0], "jid": "c" * 24, "queue": "nobody"})
+    r.hset(keys.inflight(gone), "1\nnobody", job)
+    log = tmp_path / "worker.log"
+    env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO))
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "forkq", "start", "--no-fork", "--require",
+             str(REPO / "tests/apps/orphan_jobs.py"), "--log-format", "json", "--recovery-delay", "1",
+             "--heartbeat-interval", "0.3", "--timeout", "1"],
+            env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: r.lrange("queue:nobody", 0, -1) == [job.encode()], timeout=15,
+                   message="the stray's job back on its queue")
+        assert not r.exists(keys.inflight(gone))
+    finally:
+        assert stop_gracefully(proc) == 0
+    (warning,) = [e for e in json_lines(log) if e.get("event", "").startswith("put back jobs from private")]
+    assert warning["identity"] == gone and warning["requeued"] == 1
+
+
+@pytest.mark.timeout(30)
 def test_an_acl_user_without_scan_gets_one_line_from_the_master(own_redis, tmp_path):
     admin = own_redis.client()
     admin.acl_setuser("fq", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],

@@ -37,7 +37,10 @@ def _ids(recs):
 
 
 def _forkq_keys(r):
-    return sorted(k.decode() for k in r.keys("forkq:*"))
+    """forkq's keys, less the stray scan's pass schedule: a --no-fork worker scans as a
+    master does, and the rest until the next pass (an expiring key) is the fleet's, not
+    something of the process left behind."""
+    return sorted(k.decode() for k in r.keys("forkq:*") if k != keys.STRAYS_REST.encode())
 
 
 # -- running jobs -------------------------------------------------------------------------
