@@ -164,20 +164,20 @@ def sweep(client: redis.Redis, recovery_delay: float, holder: str, *, this_host_
     stale. The caller treats that like an outage: live processes need time to beat again.
     A stall shorter than the socket timeout raises nothing, so timing is the only sign.
 
-    None too while Redis refuses writes (maxmemory reached, a failed save: the lock's SET
-    is refused): no process can write its heartbeat then either. Judged by heartbeats the
-    moment the refusal ends, live processes elsewhere would look dead, and the jobs they are
-    running would run a second time beside them."""
+    While Redis refuses writes (maxmemory reached, a failed save: the lock's SET is
+    refused), it raises that refusal, for the caller to treat as an outage: no process can
+    write its heartbeat then either. Judged by heartbeats the moment the refusal ends, live
+    processes elsewhere would look dead, and the jobs they are running would run a second
+    time beside them. (It used to return None, and was logged as a stall too.)"""
     started = time.monotonic()
     try:
         if not client.set(LOCK, holder, nx=True, px=30_000):
             return []
     except redis.ResponseError as exc:
-        if not writes_refused(exc):
-            raise
-        log.warning(f"Redis {refusal(exc)}, so no heartbeat is written: no process is judged "
-                    "dead until they have had time to resume", error=str(exc))
-        return None
+        if writes_refused(exc):
+            log.warning(f"Redis {refusal(exc)}, so no heartbeat is written: no process is judged "
+                        "dead until they have had time to resume", error=str(exc))
+        raise
     recovered = []
     try:
         dead = dead_owners(client, recovery_delay, this_host_now=this_host_now, skip=skip,
