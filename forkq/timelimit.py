@@ -162,7 +162,7 @@ class Watchdog:
                         jid=jid, time_limit_s=limit, over_s=round(over, 1), stack=stack)
             return
         log.error("job ran past its time limit and could not be interrupted (its thread is in a "
-                  "call that does not return); recording its failure", jid=jid, time_limit_s=limit,
+                  "call that has not returned); recording its failure", jid=jid, time_limit_s=limit,
                   over_s=round(over, 1), stack=stack)
         # its own thread: the write rides out a Redis outage, and limits must keep firing
         threading.Thread(target=give_up, args=(limit, over), name="forkq-timelimit-give-up",
