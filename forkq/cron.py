@@ -307,7 +307,7 @@ class Cron:
     Missed runs: at start, an entry whose latest due time at or before now is newer than
     what the fleet pushed (every forkq was down at that time) has that one due time pushed
     at once, never the ones before it; with max_delay, only if it is that recent. An entry
-    first seen (or whose schedule changed) owes nothing from before that moment.
+    first seen, or a schedule of it first seen, owes nothing from before that moment.
 
     Redis's clock is the fleet's: `now` given to boot, check and wait_time is this host's
     clock, held back to Redis's when it runs ahead (learnt from the scripts' replies, which
@@ -455,7 +455,7 @@ class Cron:
         job = entry.payload(due, now)
         offered, clock = self._push(keys=[keys.cron(entry.name)],
                                     args=[due, entry.queue, payload.dumps_new(job), job["jid"],
-                                          repr(now), keys.CRON_TTL_S])
+                                          repr(now), keys.CRON_TTL_S, entry.schedule.spec])
         self._learn(host, clock)
         return int(offered)
 

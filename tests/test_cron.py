@@ -563,7 +563,25 @@ def test_a_host_whose_clock_runs_ahead_booting_a_changed_entry_loses_no_due_time
     booted = redis_now(r)
     pushed = fleet_round(r, [(on_time, 0.0)])
     assert len(pushed) == 1 and pushed[0] > booted, pushed
-    assert float(r.hget(keys.cron("ticker"), "since")) <= booted + 0.001  # never past Redis's clock
+    since = r.hget(keys.cron("ticker"), f"since:{old.schedule.spec}")
+    assert float(since) <= booted + 0.001  # never past Redis's clock
+
+
+@pytest.mark.timeout(15)
+def test_a_boot_of_the_old_schedule_in_a_rolling_deploy_takes_no_due_time_of_the_new(r, redis_url):
+    """While a deploy changes an entry, hosts of the old and the new schedule boot in
+    turn. Each boot of a schedule other than the last one seen raised the entry's single
+    `since` to its now: an old host booting a moment after a due time of the new schedule,
+    before the new hosts pushed it, took that run from the fleet."""
+    old = cron.Entry("ticker", Schedule("*/2 * * * * *"), "Any", "default")
+    new = cron.Entry("ticker", Schedule("* * * * * *"), "Any", "default")
+    Cron(r, [old]).boot(redis_now(r))  # the schedule the fleet ran until the deploy
+    on_time = Cron(r, [new])
+    on_time.boot(redis_now(r))
+    due = next_second(r)
+    Cron(r, [old]).boot(redis_now(r))  # an old host restarted as the deploy goes on
+    assert [d for _, d, _ in on_time.check(redis_now(r))] == [due]
+    assert [j["cron"]["due"] for j in queued(r, "default")] == [due]
 
 
 @pytest.mark.timeout(15)

@@ -1,11 +1,14 @@
--- A process starting its periodic entries: for each one first seen, or whose schedule
--- changed since the fleet last saw it, raise `since` to now, so that no due time from
--- before now is owed (a new entry does not fire at once for a time long past). `since`
--- only ever rises: two processes booting together cannot lower it under a due time one
--- of them has just pushed.
+-- A process starting its periodic entries. For each entry, the moment the fleet first saw
+-- its schedule, kept as `since:SCHEDULE`: no due time at or before it is owed, so a new
+-- entry, or a new schedule, does not fire at once for a time long past. One field per
+-- schedule, set once and never moved: during a rolling deploy that changes an entry, hosts
+-- of the old and the new schedule boot in turn, and a boot of one schedule must not mark
+-- done a due time of the other that its hosts have yet to push. (A single `since`, raised
+-- at each switch, did: a boot of the old schedule a moment after a due time of the new one
+-- took that run from the fleet.) Schedules are few per entry; the hash expires with it.
 -- "Now" is the booting host's clock, but never past Redis's: every due time at or before
--- `since` is refused to every host (cron_push.lua), so one host whose clock ran ahead
--- would take from the whole fleet the due times between Redis's clock and its own, which
+-- `since:SCHEDULE` is refused to every host (cron_push.lua), so one host whose clock ran
+-- ahead would take from the fleet the due times between Redis's clock and its own, which
 -- nobody had pushed yet. A host whose clock runs behind sets it lower, which can only
 -- leave a due time owed that would not have been (pushed once, late), never lose one.
 -- KEYS[i] forkq:cron:NAME of each entry (see cron_push.lua)
@@ -15,21 +18,17 @@
 -- (epoch seconds, a string), from which the host learns how far ahead its own runs.
 local t = redis.call('TIME')
 local clock = string.format('%d.%06d', t[1], t[2])
-local now, stamp = tonumber(ARGV[1]), ARGV[1]
+local stamp = ARGV[1]
+local now = tonumber(stamp)
 if not (now and now <= tonumber(clock)) then
-  now, stamp = tonumber(clock), clock
+  stamp = clock
 end
 local out = {}
 for i, key in ipairs(KEYS) do
-  if redis.call('HGET', key, 'spec') ~= ARGV[i + 2] then
-    local since = tonumber(redis.call('HGET', key, 'since') or '')
-    if not since or since < now then
-      redis.call('HSET', key, 'since', stamp)
-    end
-    redis.call('HSET', key, 'spec', ARGV[i + 2])
-  end
+  local field = 'since:' .. ARGV[i + 2]
+  redis.call('HSETNX', key, field, stamp)
   redis.call('EXPIRE', key, ARGV[2])
-  out[i] = redis.call('HMGET', key, 'pushed', 'since')
+  out[i] = redis.call('HMGET', key, 'pushed', field)
 end
 out[#KEYS + 1] = clock
 return out

@@ -4,10 +4,11 @@
 -- holds and pushes. Marking and pushing are in the same call: a process that dies between
 -- them cannot leave a due time marked with its job never pushed, or pushed and still free.
 -- KEYS[1] the entry's hash forkq:cron:NAME: `pushed` (the latest due time pushed),
---   `since` (no due time at or before it is owed: the entry was first seen or changed then),
---   `jid` and `pushed_at` of the latest push
+--   `since:SCHEDULE` (no due time of that schedule at or before it is owed: the fleet
+--   first saw the schedule then, see cron_boot.lua), `jid` and `pushed_at` of the latest push
 -- ARGV[1] the due time (epoch seconds), ARGV[2] the queue, ARGV[3] the payload,
--- ARGV[4] its jid, ARGV[5] now (epoch seconds), ARGV[6] seconds the hash outlives this push
+-- ARGV[4] its jid, ARGV[5] now (epoch seconds), ARGV[6] seconds the hash outlives this push,
+-- ARGV[7] the schedule the due time is of
 -- Returns {1, CLOCK} if this call pushed the job, {0, CLOCK} if the due time was already
 -- done, {-1, CLOCK} if it has not come yet by Redis's clock; CLOCK is that clock (epoch
 -- seconds, a string).
@@ -20,7 +21,7 @@ local due = tonumber(ARGV[1])
 if due > tonumber(clock) then
   return {-1, clock}
 end
-local state = redis.call('HMGET', KEYS[1], 'pushed', 'since')
+local state = redis.call('HMGET', KEYS[1], 'pushed', 'since:' .. ARGV[7])
 for i = 1, 2 do
   if state[i] and tonumber(state[i]) >= due then
     return {0, clock}
