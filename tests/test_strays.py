@@ -332,7 +332,7 @@ def test_a_stall_that_stray_recovery_waits_out_does_not_make_live_processes_look
     live.register()
     forkq.Client(own_redis.url).push("Any", [1])
     assert len(live.fetch(1)) == 1  # a job it is running
-    sup = Supervisor(Settings(redis_url=own_redis.url, recovery_delay=1.0, heartbeat_interval=0.5))
+    sup = Supervisor(Settings(redis_url=own_redis.url, recovery_delay=0.5, heartbeat_interval=0.5))
     sup.sweeper.ok_since, sup.sweeper.back_at = time.monotonic() - 10, time.time() - 10  # settled
     if call == "requeue":
         sup.pending_requeue.append(("dead:1:000000000000", True))  # a child just reaped
@@ -340,7 +340,7 @@ def test_a_stall_that_stray_recovery_waits_out_does_not_make_live_processes_look
     own_redis.pause()
     try:
         slice_.start()
-        time.sleep(2.5)  # the stall itself: longer than the 1 s delay, under the 5 s timeout
+        time.sleep(1.2)  # the stall itself: longer than the 0.5 s delay, under the 5 s timeout
     finally:
         own_redis.resume()
     slice_.join(10)
