@@ -706,7 +706,7 @@ def test_a_child_that_dies_while_quiet_and_redis_is_down_gets_its_job_back_once_
 
 @pytest.mark.timeout(60)
 def test_hup_replaces_every_child_one_at_a_time_while_jobs_keep_running(start_master, redis_url, r):
-    n, boot = 3, 1.5
+    n, boot = 3, 0.75
     m = start_master(processes=n, concurrency=2, args=["--timeout", "5"])
     before = m.wait_slots()
     wait_until(lambda: m.check() and len(m.log_events("worker started")) == n, timeout=10,
