@@ -275,7 +275,7 @@ def test_sigkilled_child_is_replaced_in_its_slot_and_its_job_reruns_there(start_
     m = start_master(processes=2, concurrency=1)
     before = m.wait_slots()
     # "busy" keeps the other child occupied, so only the replacement can rerun the victim
-    started = start_one_by_one(redis_url, r, m, [("busy", 4), ("victim", 2)])
+    started = start_one_by_one(redis_url, r, m, [("busy", 2.5), ("victim", 1)])
     victim_pid, slot = started["victim"]["pid"], int(started["victim"]["slot"])
     assert started["busy"]["pid"] != victim_pid
     assert before[slot] == victim_pid
