@@ -129,7 +129,7 @@ def test_a_live_forkq_whose_clock_runs_behind_keeps_its_running_job(fleet, r, re
 def test_a_dead_forkq_whose_clock_ran_ahead_is_recovered_within_the_delay(fleet, r, redis_url):
     """Its last heartbeat carried a time five minutes ahead of ours: judged by it, its jobs
     waited those five minutes on top of the recovery delay."""
-    delay = 3.0
+    delay = 1.5  # the least a lease can be with 0.5 s heartbeats (three of them)
     sweeper = fleet.start("sweeper", "--recovery-delay", str(delay))
     fast = fleet.start("fast", "--queue", "fast", host="fleet-fast-clock", clock_shift=300)
     wait_until(lambda: len(_owners_on(r, "fleet-fast-clock")) == 1, timeout=20,
