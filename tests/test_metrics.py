@@ -174,7 +174,7 @@ def test_a_sigkilled_child_counts_as_a_crash_restart_and_counters_never_go_down(
 
     # two jobs in flight in each child, then one child dies with its two; short ones, as
     # they run again (alone, as crash suspects) before the replacement takes other work
-    client.push_bulk("metrics.hold", [[3]] * 4)
+    client.push_bulk("metrics.hold", [[1.5]] * 4)
     wait_until(lambda: sum(value(scrape(port), "forkq_busy_threads", slot=str(i)) or 0 for i in (0, 1)) == 4,
                timeout=10, interval=0.05, message="4 busy threads")
     slots = m.slots()
