@@ -158,11 +158,12 @@ def sweep(client: redis.Redis, recovery_delay: float, holder: str, *, this_host_
     Each job an owner had in flight counts as in a crash (see the module's docstring): at
     `poison_after` crashes it goes to dead, otherwise it runs again alone as a suspect.
 
-    None, recovering nothing, when taking the lock and reading the heartbeats took longer
-    than `stall_limit` seconds: Redis stalled (paused, swapping, a slow command) with our
-    call waiting, so it could not record anyone's heartbeat either, and every one looks
-    stale. The caller treats that like an outage: live processes need time to beat again.
-    A stall shorter than the socket timeout raises nothing, so timing is the only sign.
+    None, recovering nothing, when taking the lock (or being refused it) and reading the
+    heartbeats took longer than `stall_limit` seconds: Redis stalled (paused, swapping, a
+    slow command) with our call waiting, so it could not record anyone's heartbeat either,
+    and every one looks stale. The caller treats that like an outage: live processes need
+    time to beat again. A stall shorter than the socket timeout raises nothing, so timing
+    is the only sign.
 
     While Redis refuses writes (maxmemory reached, a failed save: the lock's SET is
     refused), it raises that refusal, for the caller to treat as an outage: no process can
@@ -172,7 +173,10 @@ def sweep(client: redis.Redis, recovery_delay: float, holder: str, *, this_host_
     started = time.monotonic()
     try:
         if not client.set(LOCK, holder, nx=True, px=30_000):
-            return []
+            # Another forkq sweeps. A refusal that took long is a stall all the same: two
+            # masters waiting on a paused Redis, the one refused would go on to sweep a
+            # moment later with every heartbeat stale and nothing noted
+            return None if time.monotonic() - started > stall_limit else []
     except redis.ResponseError as exc:
         if writes_refused(exc):
             log.warning(f"Redis {refusal(exc)}, so no heartbeat is written: no process is judged "

@@ -350,6 +350,41 @@ def test_a_stall_that_stray_recovery_waits_out_does_not_make_live_processes_look
     assert r.hexists(keys.OWNERS, live.identity)
 
 
+@pytest.mark.timeout(30)
+def test_a_stall_spent_waiting_for_a_sweep_lock_another_master_holds_does_not_make_live_processes_look_dead(
+        own_redis):
+    """Two masters waited on a paused Redis to take the orphan sweep's lock. The other one
+    got it as Redis woke, saw the stall and recovered nothing; this one, refused the lock,
+    came back with nothing noted, and its next sweep, a moment later, found every heartbeat
+    stale and took a live process's running jobs, which ran a second time (test_orphans'
+    outage test failed this way with another test file running beside it)."""
+    r = own_redis.client()
+    live = _fetch(own_redis.port, "elsewhere:77:abcdefabcdef")
+    live.register()
+    forkq.Client(own_redis.url).push("Any", [1])
+    assert len(live.fetch(1)) == 1  # a job it is running
+    sup = Supervisor(Settings(redis_url=own_redis.url, recovery_delay=0.5, heartbeat_interval=0.5))
+    sup.sweeper.ok_since, sup.sweeper.back_at = time.monotonic() - 10, time.time() - 10  # settled
+    r.set(orphans.LOCK, "the-other-master", px=30_000)
+    sup.sweeper.next_at = 0.0
+    sweep = threading.Thread(target=sup.sweep_orphans)
+    own_redis.pause()
+    try:
+        sweep.start()
+        time.sleep(1.2)  # the stall itself: longer than the 0.5 s delay, under the 5 s timeout
+    finally:
+        own_redis.resume()
+    sweep.join(10)
+    assert r.get(orphans.LOCK) == b"the-other-master"  # this master's SET came back refused
+    r.delete(orphans.LOCK)  # the other master's sweep is over
+    sup.sweeper.next_at = 0.0
+    sup.sweep_orphans()
+    assert r.hlen(keys.inflight(live.identity)) == 1 and r.llen("queue:default") == 0
+    assert r.hexists(keys.OWNERS, live.identity)
+    os.close(sup._sig_r)
+    os.close(sup._sig_w)
+
+
 def _timed(fn) -> float:
     started = time.monotonic()
     fn()
