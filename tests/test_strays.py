@@ -241,20 +241,22 @@ def test_the_scan_is_a_slice_at_a_time_and_one_pass_per_interval(own_redis):
 
 
 @pytest.mark.timeout(30)
-def test_a_master_puts_back_a_stray_and_counts_it(redis_url, r, tmp_path):
+@pytest.mark.parametrize("mode", ["master", "no-fork"])
+def test_a_stray_is_put_back_by_a_master_and_by_a_no_fork_worker(redis_url, r, tmp_path, mode):
     """The master takes slices on its own: a stray left before it started (an owners entry
     lost to an RDB restored beside a newer registry) is back once Redis has answered it for
-    the delay plus a heartbeat, with one warning, and counted in its stats."""
+    the delay plus a heartbeat, with one warning, and counted in its stats. A fleet of
+    --no-fork workers has no master: there, a stray waited for one for good."""
     gone = "elsewhere:4242:abcdefabcdef"
     job = json.dumps({"class": "orphan.work", "args": ["s", 0], "jid": "b" * 24, "queue": "nobody"})
     r.hset(keys.inflight(gone), "1\nnobody", job)
-    log = tmp_path / "master.log"
+    log = tmp_path / "forkq.log"
     env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO))
+    how = ["--processes", "1"] if mode == "master" else ["--no-fork"]
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "forkq", "start", "--require", str(REPO / "tests/apps/orphan_jobs.py"),
-             "--processes", "1", "--log-format", "json", "--recovery-delay", "1",
-             "--heartbeat-interval", "0.3", "--timeout", "1"],
+            [sys.executable, "-m", "forkq", "start", *how, "--require", str(REPO / "tests/apps/orphan_jobs.py"),
+             "--log-format", "json", "--recovery-delay", "1", "--heartbeat-interval", "0.3", "--timeout", "1"],
             env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_until(lambda: r.lrange("queue:nobody", 0, -1) == [job.encode()], timeout=15,
@@ -265,32 +267,9 @@ def test_a_master_puts_back_a_stray_and_counts_it(redis_url, r, tmp_path):
     lines = json_lines(log)
     (warning,) = [e for e in lines if e.get("event", "").startswith("put back jobs from private")]
     assert warning["identity"] == gone and warning["requeued"] == 1 and warning["level"] == "warning"
-    (stopped,) = [e for e in lines if e.get("event") == "master stopped"]
-    assert stopped["strays"] == 1 and stopped["requeued"] == 1
-
-
-@pytest.mark.timeout(30)
-def test_a_no_fork_worker_puts_back_a_stray_too(redis_url, r, tmp_path):
-    """A fleet of --no-fork workers has no master: a stray waited for one for good."""
-    gone = "elsewhere:4243:abcdefabcdef"
-    job = json.dumps({"class": "orphan.work", "args": ["s", 0], "jid": "c" * 24, "queue": "nobody"})
-    r.hset(keys.inflight(gone), "1\nnobody", job)
-    log = tmp_path / "worker.log"
-    env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO))
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "forkq", "start", "--no-fork", "--require",
-             str(REPO / "tests/apps/orphan_jobs.py"), "--log-format", "json", "--recovery-delay", "1",
-             "--heartbeat-interval", "0.3", "--timeout", "1"],
-            env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_until(lambda: r.lrange("queue:nobody", 0, -1) == [job.encode()], timeout=15,
-                   message="the stray's job back on its queue")
-        assert not r.exists(keys.inflight(gone))
-    finally:
-        assert stop_gracefully(proc) == 0
-    (warning,) = [e for e in json_lines(log) if e.get("event", "").startswith("put back jobs from private")]
-    assert warning["identity"] == gone and warning["requeued"] == 1
+    if mode == "master":
+        (stopped,) = [e for e in lines if e.get("event") == "master stopped"]
+        assert stopped["strays"] == 1 and stopped["requeued"] == 1
 
 
 @pytest.mark.timeout(30)
@@ -319,14 +298,16 @@ def test_an_acl_user_without_scan_gets_one_line_from_the_master(own_redis, tmp_p
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("call", ["strays", "requeue"])
+@pytest.mark.parametrize("call", ["strays", "requeue", "lock"])
 def test_a_stall_that_stray_recovery_waits_out_does_not_make_live_processes_look_dead(own_redis, call):
     """Redis paused (shorter than the socket timeout) while the master's stray slice, or its
     requeue of a dead child, waited on it: the call came back without an error, the orphan
     sweep after it found Redis quick and every heartbeat stale, and took a live process's
-    running job for a dead one's."""
-    from forkq.settings import Settings
-    from forkq.supervisor import Supervisor
+    running job for a dead one's.
+    `lock`: two masters waited on a paused Redis to take the orphan sweep's lock. The other
+    one got it as Redis woke, saw the stall and recovered nothing; this one, refused the
+    lock, came back with nothing noted, and its next sweep did the same (test_orphans'
+    outage test failed this way with another test file running beside it)."""
     r = own_redis.client()
     live = _fetch(own_redis.port, "elsewhere:77:abcdefabcdef")
     live.register()
@@ -336,47 +317,21 @@ def test_a_stall_that_stray_recovery_waits_out_does_not_make_live_processes_look
     sup.sweeper.ok_since, sup.sweeper.back_at = time.monotonic() - 10, time.time() - 10  # settled
     if call == "requeue":
         sup.pending_requeue.append(("dead:1:000000000000", True))  # a child just reaped
-    slice_ = threading.Thread(target=sup.sweep_strays if call == "strays" else sup.requeue_pending)
+    if call == "lock":
+        r.set(orphans.LOCK, "the-other-master", px=30_000)
+        sup.sweeper.next_at = 0.0
+    target = {"strays": sup.sweep_strays, "requeue": sup.requeue_pending, "lock": sup.sweep_orphans}[call]
+    waiting = threading.Thread(target=target)
     own_redis.pause()
     try:
-        slice_.start()
+        waiting.start()
         time.sleep(1.2)  # the stall itself: longer than the 0.5 s delay, under the 5 s timeout
     finally:
         own_redis.resume()
-    slice_.join(10)
-    sup.sweeper.next_at = 0.0
-    sup.sweep_orphans()
-    assert r.hlen(keys.inflight(live.identity)) == 1 and r.llen("queue:default") == 0
-    assert r.hexists(keys.OWNERS, live.identity)
-
-
-@pytest.mark.timeout(30)
-def test_a_stall_spent_waiting_for_a_sweep_lock_another_master_holds_does_not_make_live_processes_look_dead(
-        own_redis):
-    """Two masters waited on a paused Redis to take the orphan sweep's lock. The other one
-    got it as Redis woke, saw the stall and recovered nothing; this one, refused the lock,
-    came back with nothing noted, and its next sweep, a moment later, found every heartbeat
-    stale and took a live process's running jobs, which ran a second time (test_orphans'
-    outage test failed this way with another test file running beside it)."""
-    r = own_redis.client()
-    live = _fetch(own_redis.port, "elsewhere:77:abcdefabcdef")
-    live.register()
-    forkq.Client(own_redis.url).push("Any", [1])
-    assert len(live.fetch(1)) == 1  # a job it is running
-    sup = Supervisor(Settings(redis_url=own_redis.url, recovery_delay=0.5, heartbeat_interval=0.5))
-    sup.sweeper.ok_since, sup.sweeper.back_at = time.monotonic() - 10, time.time() - 10  # settled
-    r.set(orphans.LOCK, "the-other-master", px=30_000)
-    sup.sweeper.next_at = 0.0
-    sweep = threading.Thread(target=sup.sweep_orphans)
-    own_redis.pause()
-    try:
-        sweep.start()
-        time.sleep(1.2)  # the stall itself: longer than the 0.5 s delay, under the 5 s timeout
-    finally:
-        own_redis.resume()
-    sweep.join(10)
-    assert r.get(orphans.LOCK) == b"the-other-master"  # this master's SET came back refused
-    r.delete(orphans.LOCK)  # the other master's sweep is over
+    waiting.join(10)
+    if call == "lock":
+        assert r.get(orphans.LOCK) == b"the-other-master"  # this master's SET came back refused
+        r.delete(orphans.LOCK)  # the other master's sweep is over
     sup.sweeper.next_at = 0.0
     sup.sweep_orphans()
     assert r.hlen(keys.inflight(live.identity)) == 1 and r.llen("queue:default") == 0
