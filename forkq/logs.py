@@ -268,6 +268,19 @@ class _ToLines(logging.Handler):
         super().__init__()
         self._loggers: dict[str, Any] = {}
 
+    def handle(self, record: logging.LogRecord) -> Any:
+        """As logging.Handler.handle, without the handler's lock: _Lines writes each line
+        under a lock of its own. Before 3.13, handle() takes that lock in a Python method
+        and releases it in a finally: a job's TimeLimitExceeded (timelimit.py) landing
+        between the two left it held by that thread, and every other thread's next logging
+        call through here blocked for good."""
+        rv = self.filter(record)
+        if isinstance(rv, logging.LogRecord):  # 3.12+: a filter may hand back a new record
+            record = rv
+        if rv:
+            self.emit(record)
+        return rv
+
     def emit(self, record: logging.LogRecord) -> None:
         try:
             logger = self._loggers.get(record.name)

@@ -3,6 +3,7 @@ its limit fails with TimeLimitExceeded in its own thread and is retried, the thr
 with other jobs, and a limit that fires as the job returns never leaks past the job."""
 
 import json
+import logging
 import signal
 import sys
 import threading
@@ -214,3 +215,48 @@ def test_a_job_stuck_in_a_call_past_its_limit_is_failed_and_its_child_replaced(s
     assert r.zcard("retry") == 1 and r.llen("queue:default") == 0
     m.signal(signal.SIGTERM)
     assert m.wait(20) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_limit_landing_in_a_jobs_stdlib_logging_never_blocks_other_threads_logging():
+    """Jobs that log through the standard library (routed into forkq's lines by
+    logs._ToLines) and are cut off by their limit mid-call. Before 3.13 a limit landing
+    just after Handler.handle() took the handler's lock left it held: every other
+    processor thread's next logging call hung for good (within a few hundred runs on 3.11
+    and 3.12, the limit landing in Handler.acquire or Handler.release)."""
+    # Lines go nowhere, as a worker's buffered ones mostly do: a write syscall would
+    # release the GIL, and the limit would then land at its return, never at the lock
+    logs.configure(level="info", fmt="json", stream=_Discard())
+    handler = logs._ToLines()
+    applog = logging.getLogger("forkq-test-limited-app")
+    applog.propagate = False
+    applog.setLevel(logging.INFO)
+    applog.addHandler(handler)
+    dog = timelimit.Watchdog()
+    ident = threading.get_ident()
+    try:
+        for run in range(1000):
+            try:
+                try:
+                    dog.arm(ident, 0.002, run)
+                    while True:
+                        applog.info("working")
+                finally:
+                    dog.disarm(ident)
+            except TimeLimitExceeded:
+                dog.disarm(ident)
+            assert dog.settle(ident)
+            other = threading.Thread(target=applog.info, args=("another job",), daemon=True)
+            other.start()
+            other.join(5)
+            assert not other.is_alive(), f"another thread's logging call hung after run {run}"
+    finally:
+        applog.removeHandler(handler)
+
+
+class _Discard:
+    def write(self, text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
