@@ -59,7 +59,7 @@ class Child:
     ready: bool = False                    # has reported since its worker started
     stopping_since: float | None = None   # told to stop (recycle) at this monotonic time
     reason: str = ""                       # why the master ended it: memory, hang, restart, time_limit
-    stuck: bool = False                    # a job of its thread is stuck past its time limit
+    stuck: bool = False                    # a job of it ran past its time limit: replace it
     fatal: str = ""                        # the error it reported just before dying
     finished: list[str] = field(default_factory=list)  # in-flight fields of jobs it finished
     buffer: bytes = b""
@@ -613,8 +613,9 @@ class Supervisor:
     _last_memory_check = 0.0
 
     def check_memory(self) -> None:
-        """Recycle a child over --max-memory, or one whose thread is stuck in a job given
-        up past its time limit (only a new process frees that thread)."""
+        """Recycle a child over --max-memory, or one where a job ran past its time limit
+        (interrupting a job may leave a lock held, and only a new process frees a thread
+        stuck in a call)."""
         limit = self.settings.max_memory_mb
         now = time.monotonic()
         if now - self._last_memory_check < 1.0:
@@ -624,7 +625,8 @@ class Supervisor:
             return  # one recycle at a time keeps the other children working
         for child in self.children.values():
             if child.stuck and self.state == "running":
-                log.warning("child has a thread stuck in a job past its time limit; replacing it",
+                log.warning("a job of this child ran past its time limit; replacing the child, "
+                            "which interrupting the job may have left with a lock held",
                             slot=child.slot, child_pid=child.pid)
                 self.retire(child, "time_limit")
                 return

@@ -7,8 +7,14 @@ was, and is retried as any failure is. A thread is interrupted only between Pyth
 bytecodes: a job blocked in one long C call (a socket read without a timeout, a
 time.sleep) is interrupted only when that call returns. If it has not ended `grace`
 seconds (--time-limit-grace) past its limit, the watchdog gives it up: it logs the job's
-stack, records the job's failure itself (the thread, if it ever comes back, records
-nothing), and asks for its process to be replaced, since only that frees the thread.
+stack and records the job's failure itself (the thread, if it ever comes back, records
+nothing).
+
+Once a limit fired, a child asks its master to be replaced (gracefully, one child at a
+time). An exception landing at an arbitrary bytecode can leave a lock that the job's
+libraries take in Python code held for good (queue.Queue's, under urllib3's connection
+pools; logging's before 3.13), and then threads that later use it hang; a new process
+starts clean, and frees a thread stuck in a call too.
 
 Arming and disarming cost a lock and a dict entry, only for jobs that have a limit.
 """
@@ -51,8 +57,12 @@ class Watchdog:
 
     def __init__(self, grace: float = GRACE_S) -> None:
         self.grace = grace
-        # called once a job is given up: a worker asks its master for a replacement
+        # called (in the watchdog's thread) after limits fired: a child asks its master to
+        # be replaced, as an interrupted job may have left a lock of its libraries held
+        self.on_fire: Callable[[], None] | None = None
+        # called once a job is given up
         self.on_give_up: Callable[[], None] | None = None
+        self._giving_up: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._starting = threading.Lock()
         self._wakeups: queue.SimpleQueue[None] = queue.SimpleQueue()
@@ -118,12 +128,14 @@ class Watchdog:
         while True:
             with self._lock:
                 now = time.monotonic()
-                self._fire_due(now)
+                fired = self._fire_due(now)
                 stuck = self._stuck(now)
                 wake = min((d for d, _, _, _ in self._armed.values()), default=_NEVER)
                 report = min((f + self.grace for f, _, _, _ in self._fired.values()), default=_NEVER)
                 self._wake_at = wake = min(wake, report)
-            for jid, limit, over, stack, give_up in stuck:  # outside the lock: arm waits on it
+            if fired and self.on_fire is not None:  # outside the lock: arm waits on it
+                self.on_fire()
+            for jid, limit, over, stack, give_up in stuck:
                 self._give_up(jid, limit, over, stack, give_up)
             if stuck:
                 continue
@@ -132,12 +144,35 @@ class Watchdog:
             except queue.Empty:
                 pass
 
-    def _fire_due(self, now: float) -> None:
-        """Raise in each thread whose job's time is up; called with the lock held."""
-        for ident in [i for i, (deadline, _, _, _) in self._armed.items() if deadline <= now]:
+    def _fire_due(self, now: float) -> int:
+        """Raise in each thread whose job's time is up; how many. Called with the lock held."""
+        due = [i for i, (deadline, _, _, _) in self._armed.items() if deadline <= now]
+        for ident in due:
             _, limit, jid, give_up = self._armed.pop(ident)
             self._fired[ident] = (now, limit, jid, give_up)
             self._raise(ident, TimeLimitExceeded)
+        return len(due)
+
+    def give_up_fired(self, timeout: float) -> None:
+        """At a stop that cuts jobs off: give up now every job whose limit fired and that
+        has not ended (recording its failure), and wait up to `timeout` for give-ups under
+        way. Else the stop's requeue would put such a job back on its queue uncounted, to
+        run past its limit again in the next process, and again, for good; or a give-up
+        written after the requeue would leave the job both queued and in retry."""
+        now = time.monotonic()
+        with self._lock:
+            taken = []
+            for ident, (fired, limit, jid, give_up) in list(self._fired.items()):
+                if give_up is not None:
+                    self._fired[ident] = (_NEVER, limit, jid, None)
+                    self._given_up.add(ident)
+                    taken.append((give_up, limit, now - fired))
+            pending = list(self._giving_up)
+        for give_up, limit, over in taken:
+            give_up(limit, over)
+        until = now + timeout
+        for thread in pending:
+            thread.join(max(0.0, until - time.monotonic()))
 
     def _stuck(self, now: float) -> list[tuple[Any, float, float, str, GiveUp | None]]:
         """Jobs still running `grace` past their limit, each taken over once; lock held."""
@@ -165,8 +200,11 @@ class Watchdog:
                   "call that has not returned); recording its failure", jid=jid, time_limit_s=limit,
                   over_s=round(over, 1), stack=stack)
         # its own thread: the write rides out a Redis outage, and limits must keep firing
-        threading.Thread(target=give_up, args=(limit, over), name="forkq-timelimit-give-up",
-                         daemon=True).start()
+        thread = threading.Thread(target=give_up, args=(limit, over), name="forkq-timelimit-give-up",
+                                  daemon=True)
+        with self._lock:
+            self._giving_up = [t for t in self._giving_up if t.is_alive()] + [thread]
+        thread.start()
         if self.on_give_up is not None:
             self.on_give_up()
 

@@ -84,6 +84,7 @@ class Worker:
                                processor=MeteredProcessor if metered else Processor,
                                heartbeat_interval=s.heartbeat_interval)
         WATCHDOG.grace = s.time_limit_grace
+        WATCHDOG.on_fire = self._interrupted
         WATCHDOG.on_give_up = self._stuck_thread
         self.metrics = (DeltaReporter([p.table for p in self.manager.processors])  # type: ignore[attr-defined]
                         if metered else None)
@@ -112,18 +113,21 @@ class Worker:
         self._loop()
         return self._stop()
 
-    def _stuck_thread(self) -> None:
-        """A job was given up past its time limit, its thread stuck in a call: only a new
-        process gets the thread back. A child asks its master for one; a --no-fork worker
-        has no master to ask."""
+    def _interrupted(self) -> None:
+        """A job's time limit fired: ask the master for a fresh process (see timelimit)."""
         if self.report_fd is None:
-            log.error("this worker runs with one thread fewer until the stuck call returns; "
-                      "restart it to get the thread back")
+            log.warning("a job was interrupted at its time limit; a lock it held in a library may "
+                        "stay held: restart this worker if its jobs hang")
             return
         try:
             os.write(self.report_fd, b"L\n")
         except OSError:
             pass  # the master is gone: this child is stopping anyway
+
+    def _stuck_thread(self) -> None:
+        if self.report_fd is None:
+            log.error("this worker runs with one thread fewer until the stuck call returns; "
+                      "restart it to get the thread back")
 
     def _loop(self) -> None:
         fds = [self._cmd_r] + ([self.control_fd] if self.control_fd is not None else [])
@@ -220,6 +224,8 @@ class Worker:
         if self.sweeps is not None:
             self.sweeps.stop()
         finished = self.manager.stop(deadline)
+        if not finished:
+            WATCHDOG.give_up_fired(timeout=1.0)  # before any requeue puts such a job back
         self._hand_over_acks()  # before any stop-time write that a frozen Redis could hold
         if not finished:
             log.warning("jobs still running at the timeout; putting them back on their queues",

@@ -157,3 +157,11 @@ def stuck_job(tag):
     lock.acquire()
     lock.acquire()  # a second acquire of the same lock: never returns
     record("done", tag)
+
+
+@forkq.job(name="sup.spin", retry=1, retry_in=lambda count, exc: 1000, time_limit=0.3)
+def spin_job(tag):
+    """Python code past its limit: interrupted where it runs."""
+    record("start", tag)
+    while True:
+        sum(range(100))
