@@ -111,6 +111,7 @@ class Supervisor:
         self.exit_code = 0
         self._ready_sent = False
         self._requeue_retry_at = 0.0   # after Redis failed a requeue, don't block on it again
+        self._requeue_backoff = 0.0    # ... for this long (s), doubling while it keeps failing
         self.sweeper = orphans.Sweeper(self.identity, settings.recovery_delay,
                                        settings.heartbeat_interval, settings.poison_after)
         self.scanner = strays.Scanner(self.sweeper)
@@ -396,6 +397,7 @@ class Supervisor:
                 time.sleep(0.25)
                 continue
             self.sweeper.note_stall(started, "a dead child's requeue")
+            self._requeue_backoff = 0.0
             self.pending_requeue.pop(0)
             done[identity] = (counts.requeued, counts.poisoned)
             self.stats.add(counts)
@@ -413,6 +415,7 @@ class Supervisor:
                 self._put_off(exc, "count a dead child's last jobs", final)
                 break  # tried again with the next requeue
             del self.uncounted[identity]
+            self._requeue_backoff = 0.0
         if final and (self.pending_requeue or self.uncounted):
             if self.pending_requeue:
                 log.error("Redis unreachable or refusing writes: these children's jobs stay in "
@@ -426,14 +429,18 @@ class Supervisor:
 
     def _put_off(self, exc: BaseException, what: str, final: bool) -> None:
         """After a requeue or count that failed (called in its except block): try again in
-        5 s, or, for `final`, leave it to the caller. A refusal that passes (BUSY while
-        someone's script runs, a full Redis) is waited out as an outage is: raised, it
-        ended the master, and every child with it, at the first child death or stop that
-        met one. Any other error reply is raised."""
+        0.5 s, doubling to 5 s while Redis keeps failing, or, for `final`, leave it to the
+        caller. Each try against a Redis that does not answer can hold the loop for the
+        socket timeout, hence the wait; a fixed 5 s left a dead child's jobs off their
+        queue for up to 5 s after a short blip (a BUSY script, a restart) had passed.
+        A refusal that passes (BUSY while someone's script runs, a full Redis) is waited
+        out as an outage is: raised, it ended the master, and every child with it, at the
+        first child death or stop that met one. Any other error reply is raised."""
         if isinstance(exc, redis.ResponseError) and not writes_refused(exc):
             raise
         if not final:
-            self._requeue_retry_at = time.monotonic() + 5.0
+            self._requeue_backoff = min(max(0.5, self._requeue_backoff * 2), 5.0)
+            self._requeue_retry_at = time.monotonic() + self._requeue_backoff
             why = refusal(exc) if writes_refused(exc) else "unreachable"
             log.warning(f"cannot {what} yet: Redis {why}", error=str(exc))
 
