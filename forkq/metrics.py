@@ -49,7 +49,8 @@ CHILD_KEYS = 500                 # (class, queue) pairs one processor thread kee
 MASTER_KEYS = 2000               # and the master: payloads name classes, and a flood of
                                  # made-up names must not grow memory or the scrape forever
 REDIS_TIMEOUT_S = 1.0
-REDIS_BACKOFF_S = 10.0           # after Redis failed a scrape, skip it this long
+# after Redis failed a scrape, skip it this long: from the first, doubling to the second
+REDIS_BACKOFF_FIRST_S, REDIS_BACKOFF_S = 2.0, 10.0
 HTTP_TIMEOUT_S = 5.0
 HTTP_MAX_REQUEST = 16 * 1024
 HTTP_MAX_CONNECTIONS = 16
@@ -206,11 +207,14 @@ def _row(raw: Any) -> tuple[tuple[str, str], list[Any]]:
 
 class QueueReader:
     """Queue sizes and latencies from Redis, each scrape, never stalling the master long:
-    a 1 s timeout, no retries, and after a failure no try for REDIS_BACKOFF_S."""
+    a 1 s timeout, no retries, and after a failure no try for 2 s, doubling to
+    REDIS_BACKOFF_S while it keeps failing (a fixed 10 s kept queue sizes out of the
+    scrapes for that long after a short blip had passed)."""
 
     def __init__(self, url: str | None) -> None:
         self.url = url
         self.skip_until = 0.0
+        self.backoff = 0.0
 
     def read(self) -> list[Any] | None:
         now = time.monotonic()
@@ -226,14 +230,17 @@ class QueueReader:
                               socket_connect_timeout=REDIS_TIMEOUT_S, retry=Retry(NoBackoff(), 0),
                               health_check_interval=0)
         try:
-            return api.queues(conn)
+            rows = api.queues(conn)
         except Exception as exc:
-            self.skip_until = time.monotonic() + REDIS_BACKOFF_S
+            self.backoff = min(max(REDIS_BACKOFF_FIRST_S, self.backoff * 2), REDIS_BACKOFF_S)
+            self.skip_until = time.monotonic() + self.backoff
             log.warning("metrics: cannot read queue sizes from Redis; leaving them out",
-                        error=str(exc), retry_in_s=REDIS_BACKOFF_S)
+                        error=str(exc), retry_in_s=self.backoff)
             return None
         finally:
             conn.close()
+        self.backoff = 0.0
+        return rows
 
 
 class Collector:
