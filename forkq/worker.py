@@ -30,10 +30,10 @@ from .launcher import Launcher, new_identity
 from .manager import REDIS_ERRORS, Manager
 from .metrics import DeltaReporter
 from .processor import MeteredProcessor, Processor, guard_forks
-from .timelimit import WATCHDOG
 from .queues import QueueOrder
 from .scheduler import Scheduler
 from .settings import STOP_GRACE_S, Settings
+from .timelimit import WATCHDOG
 
 log = logs.get("forkq.worker")
 TRAPPED = (signal.SIGINT, signal.SIGTERM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGHUP)
