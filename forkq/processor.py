@@ -230,14 +230,11 @@ class Processor:
                 self._run(jobdef.fn, job, unit.queue)
             finally:
                 WATCHDOG.disarm(ident)
-        except TimeLimitExceeded:
-            # it may have landed as the disarm above began: this one finishes it, and
-            # nothing more can land (inside _perform's try, so never in forkq's own code)
-            WATCHDOG.disarm(ident)
-            if WATCHDOG.settle(ident):
-                raise
-            return False
-        except BaseException:
+        except BaseException as exc:
+            if type(exc) is TimeLimitExceeded:
+                # it may have landed as the disarm above began: this one finishes it, and
+                # nothing more can land (inside _perform's try, so never in forkq's own code)
+                WATCHDOG.disarm(ident)
             if WATCHDOG.settle(ident):
                 raise
             return False

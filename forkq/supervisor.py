@@ -11,7 +11,6 @@ EOF on that pipe tells a child its master is gone.
 from __future__ import annotations
 
 import contextlib
-import errno
 import gc
 import json
 import os
@@ -162,7 +161,7 @@ class Supervisor:
                 self.sweep_orphans()
                 self.sweep_strays()
                 self.murder_hung_children()
-                self.check_memory()
+                self.recycle_children()
                 self.roll_restart()
                 self.enforce_stop_deadline()
         finally:
@@ -285,7 +284,7 @@ class Supervisor:
                     log.info("quiet requested through Redis", slot=child.slot, child_pid=child.pid)
                     self.handle_quiet()
             elif line == b"L":
-                child.stuck = True  # replaced by check_memory, one recycle at a time
+                child.stuck = True  # replaced by recycle_children, one recycle at a time
             elif line == b"T":
                 log.info("stop requested through Redis", slot=child.slot, child_pid=child.pid)
                 self.handle_stop(signal.SIGTERM)
@@ -617,17 +616,17 @@ class Supervisor:
                 child.reason = "hang"
                 _kill(child.pid)
 
-    _last_memory_check = 0.0
+    _last_recycle_check = 0.0
 
-    def check_memory(self) -> None:
+    def recycle_children(self) -> None:
         """Recycle a child over --max-memory, or one where a job ran past its time limit
         (interrupting a job may leave a lock held, and only a new process frees a thread
         stuck in a call)."""
         limit = self.settings.max_memory_mb
         now = time.monotonic()
-        if now - self._last_memory_check < 1.0:
+        if now - self._last_recycle_check < 1.0:
             return
-        self._last_memory_check = now
+        self._last_recycle_check = now
         if any(c.stopping_since is not None for c in self.children.values()):
             return  # one recycle at a time keeps the other children working
         for child in self.children.values():

@@ -15,7 +15,7 @@ import pytest
 import forkq
 from forkq import logs, timelimit
 from forkq.errors import TimeLimitExceeded
-from corekit import core_jobs, forkq_client, records, wait_records, workers  # noqa: F401
+from corekit import core_jobs, forkq_client, records, workers  # noqa: F401
 from helpers import wait_until
 from test_supervisor import push, start_master, sup_events, wait_event  # noqa: F401
 
@@ -23,7 +23,6 @@ from test_supervisor import push, start_master, sup_events, wait_event  # noqa: 
 @pytest.mark.timeout(30)
 def test_a_job_past_its_limit_fails_and_its_thread_goes_on(workers, forkq_client, r):
     worker = workers(concurrency=1)  # one thread: the next jobs run only if it is freed
-    started = time.time()
     jid = core_jobs.spin_limited.enqueue("spin")
     core_jobs.quick_limited.enqueue_many([[i] for i in range(3)])
     wait_until(lambda: len(records(r, "limited")) == 3, timeout=15,
@@ -40,7 +39,6 @@ def test_a_job_past_its_limit_fails_and_its_thread_goes_on(workers, forkq_client
     assert 0.4 < failed_after < 3, failed_after
     assert not records(r, "swallowed"), "except Exception in the job must not catch the limit"
     assert r.hlen(f"forkq:inflight:{worker.identity}") == 0
-    assert time.time() - started < 15
     worker.assert_alive()
 
 
@@ -134,7 +132,7 @@ def test_a_limit_firing_while_the_job_waits_to_disarm_lands_inside_the_job():
 
 
 @pytest.mark.timeout(20)
-def test_a_job_blocked_in_a_call_is_logged_with_its_stack_and_fails_when_it_returns(monkeypatch, tmp_path):
+def test_a_job_blocked_in_a_call_is_logged_with_its_stack_and_fails_when_it_returns(tmp_path):
     out = tmp_path / "log"
     stream = open(out, "w")
     logs.configure(level="warning", fmt="json", stream=stream)
