@@ -14,6 +14,7 @@ import redis
 import forkq
 
 RUNS = "stats:runs"
+STARTED = "stats:started"  # the n of each long_tick as it starts
 _client: redis.Redis | None = None
 _client_pid = 0
 
@@ -35,3 +36,11 @@ def tick(n, seconds=0.002):
     _redis().rpush(RUNS, f"{os.getpid()} {time.time():.6f} {'fail' if fails else 'ok'}")
     if fails:
         raise RuntimeError(f"tick {n} fails on purpose")
+
+
+@forkq.job(name="stats.long_tick", retry=False)
+def long_tick(n, seconds):
+    """As tick, recording its start too: a test can tell a job that runs from one that a
+    claim only brought in flight (a stop gives the latter back unstarted)."""
+    _redis().rpush(STARTED, n)
+    tick(n, seconds)
