@@ -231,7 +231,8 @@ def periodic(expression: str, job: Any, args: list | tuple = (), *, name: str | 
     is not used, as hosts in other zones would push at other times.
     queue, retry and other payload options default to the job's own.
     max_delay: seconds after which a due time that no forkq reached (all were down) is
-    skipped instead of run late; None (the default) runs the latest missed one once.
+    skipped instead of run late, by Redis's clock (the fleet's, not the host's); None
+    (the default) runs the latest missed one once.
 
     Raises CronError (a ValueError) for a bad expression, an unknown time zone, a name
     declared twice with other settings, and TypeError for arguments that are not
@@ -295,6 +296,8 @@ def _options(expression: str, check: Callable[[], dict[str, Any]]) -> dict[str, 
 
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 RETRY_S = 5.0  # after a push Redis refused, before the entry's next try
+# cron_push.lua's verdicts on a due time
+PUSHED, DONE, NOT_YET, TOO_LATE = 1, 0, -1, -2
 # How far this host's clock may stray from Redis's before its log says so: a reading taken
 # before a call looks behind by the round trip, which a busy Redis stretches past a second
 SKEW_WARN_S = 2.0
@@ -306,8 +309,10 @@ class Cron:
 
     Missed runs: at start, an entry whose latest due time at or before now is newer than
     what the fleet pushed (every forkq was down at that time) has that one due time pushed
-    at once, never the ones before it; with max_delay, only if it is that recent. An entry
-    first seen, or a schedule of it first seen, owes nothing from before that moment.
+    at once, never the ones before it; with max_delay, only if it is that recent by
+    Redis's clock (the push script judges it: a host whose clock runs behind would find
+    recent a due time the fleet's clock passed long ago). An entry first seen, or a
+    schedule of it first seen, owes nothing from before that moment.
 
     Redis's clock is the fleet's: `now` given to boot, check and wait_time is this host's
     clock, held back to Redis's when it runs ahead (learnt from the scripts' replies, which
@@ -415,16 +420,9 @@ class Cron:
             # normally next_due itself; the latest one when this process was away (a frozen
             # or suspended VM, a Redis outage): never a backlog of them
             due = entry.schedule.latest_at(now)
-            late = now - due if due is not None else 0.0
-            if due is None:
-                pass  # no due time in the 50 years before now: nothing to push
-            elif entry.max_delay is not None and late > entry.max_delay:
-                log.warning("periodic due time skipped: no forkq reached it within max_delay",
-                            entry=entry.name, due=entry.schedule.local(due).isoformat(),
-                            late_s=round(late, 1), max_delay=entry.max_delay)
-            else:
+            if due is not None:  # None: no due time in the 50 years before now
                 try:
-                    offered = self._offer(entry, due, host)
+                    offered, late = self._offer(entry, due, host)
                 except redis.ResponseError as exc:
                     # this entry's push fails (its queue's key holds no list, say): the
                     # due time stays unmarked and is tried again, and the others go on
@@ -434,12 +432,16 @@ class Cron:
                     self._held[entry.name] = now + RETRY_S
                     continue
                 self._held.pop(entry.name, None)
-                if offered < 0:
+                if offered == NOT_YET:
                     # not come by Redis's clock: this host's runs ahead (learnt by the
                     # call), and offers it again when Redis's clock reaches it
                     self._next[entry.name] = entry.schedule.next_after(host - self._ahead)
                     continue
-                if offered:
+                if offered == TOO_LATE:
+                    log.warning("periodic due time skipped: no forkq reached it within max_delay",
+                                entry=entry.name, due=entry.schedule.local(due).isoformat(),
+                                late_s=round(late, 1), max_delay=entry.max_delay)
+                elif offered == PUSHED:
                     jid = jid_for(entry.name, due)
                     pushed.append((entry, due, jid))
                     log.info("periodic job pushed", entry=entry.name, job=entry.job,
@@ -448,16 +450,17 @@ class Cron:
             self._next[entry.name] = entry.schedule.next_after(now)
         return pushed
 
-    def _offer(self, entry: Entry, due: int, host: float) -> int:
-        """1 if this call pushed the due time's job, 0 if it was done, -1 if Redis's clock
-        has not reached it."""
+    def _offer(self, entry: Entry, due: int, host: float) -> tuple[int, float]:
+        """The push script's verdict on the due time (PUSHED by this call, DONE before,
+        NOT_YET or TOO_LATE by Redis's clock), and how late it is by that clock."""
         now = host - self._ahead
         job = entry.payload(due, now)
+        limit = [] if entry.max_delay is None else [repr(entry.max_delay)]
         offered, clock = self._push(keys=[keys.cron(entry.name)],
                                     args=[due, entry.queue, payload.dumps_new(job), job["jid"],
-                                          repr(now), keys.CRON_TTL_S, entry.schedule.spec])
+                                          repr(now), keys.CRON_TTL_S, entry.schedule.spec, *limit])
         self._learn(host, clock)
-        return int(offered)
+        return int(offered), float(clock) - due
 
     def wait_time(self, now: float) -> float:
         """Seconds from `now` to the next check, at most _MAX_SLEEP_S."""

@@ -4,7 +4,8 @@ running a per-second entry, and `forkq cron`.
 
 Time is always an argument here (Schedule.next_after(t), Cron.check(now)): nothing waits
 for a real minute (the tests of hosts whose clocks are off wait for a whole second of
-Redis's clock, the fleet's). Redis is the fixtures' real server."""
+Redis's clock, the fleet's; max_delay, judged by that clock, is tested on due times placed
+just before its now). Redis is the fixtures' real server."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -255,6 +257,19 @@ def queued(r, queue):
     return [json.loads(raw) for raw in reversed(r.lrange(f"queue:{queue}", 0, -1))]
 
 
+def redis_now(r) -> float:
+    """Redis's clock, the fleet's (max_delay and the hosts whose clocks are off)."""
+    sec, usec = r.time()
+    return sec + usec / 1_000_000
+
+
+def daily_at(t: float) -> Schedule:
+    """Due once a day at `t`'s time of day (UTC, to the second): a due time placed
+    relative to Redis's clock, as max_delay is judged by it."""
+    g = time.gmtime(t)
+    return Schedule(f"{g.tm_sec} {g.tm_min} {g.tm_hour} * * *")
+
+
 @pytest.mark.timeout(20)
 def test_processes_racing_for_each_due_time_push_it_once(r, redis_url, redis_server, entries):
     entry = forkq.periodic("*/5 * * * *", "Reports::Digest", ["weekly", 2], name="digest",
@@ -329,16 +344,17 @@ def test_after_every_forkq_was_down_the_latest_missed_due_time_runs_once(r, redi
 
 
 @pytest.mark.timeout(10)
-def test_max_delay_skips_a_due_time_no_forkq_reached_in_time(r, redis_url, entries):
-    entry = forkq.periodic("0 * * * *", "Reports::Hourly", name="hourly", max_delay=120)
-    hour = 1_699_999_200  # a whole hour
-    first = Cron(r, [entry])
-    first.boot(hour - 60)
-    assert len(first.check(hour)) == 1
-    # all down through the next hour's due time; back 5 minutes after it
-    assert Cron(r, [entry]).check(hour + 3600 + 300) == []
-    # back within max_delay: run late
-    assert [due for _, due, _ in Cron(r, [entry]).check(hour + 7200 + 90)] == [hour + 7200]
+def test_max_delay_skips_a_due_time_no_forkq_reached_in_time(r, redis_url):
+    now = math.floor(redis_now(r))
+    missed = cron.Entry("missed", daily_at(now - 300), "Reports::Daily", "default", max_delay=120)
+    late = cron.Entry("late", daily_at(now - 90), "Reports::Daily", "default", max_delay=120)
+    Cron(r, [missed, late]).boot(now - 400)  # the fleet first saw both; then all went down
+    # back 5 minutes after one due time (skipped), 90 s after the other (run late)
+    assert [(e.name, due) for e, due, _ in Cron(r, [missed, late]).check(redis_now(r))] == \
+        [("late", now - 90)]
+    assert r.hget(keys.cron("missed"), "pushed") is None
+    assert Cron(r, [missed]).check(redis_now(r)) == []  # skipped for every host after
+    assert [j["cron"]["due"] for j in queued(r, "default")] == [now - 90]
 
 
 @pytest.mark.timeout(10)
@@ -521,11 +537,6 @@ def test_an_entrys_key_expires_long_after_its_last_push_or_boot(r):
 # Redis's clock is the fleet's: these tests read it (TIME) and give each Cron its host's
 # reading, Redis's plus the host's error, as tests/test_fleet.py shifts a real master's.
 
-def redis_now(r) -> float:
-    sec, usec = r.time()
-    return sec + usec / 1_000_000
-
-
 def next_second(r) -> int:
     """Wait for Redis's clock to pass its next whole second (a due time of `* * * * * *`)."""
     second = math.floor(redis_now(r)) + 1
@@ -610,3 +621,24 @@ def test_a_host_whose_clock_runs_ahead_neither_pushes_early_nor_skips_the_fleets
     # the host ahead says so, once; the one on time says nothing
     (warning,) = [e for e in logged if e["log_level"] == "warning"]
     assert "ahead of Redis's" in warning["event"] and 89 < warning["ahead_s"] <= 90
+
+
+@pytest.mark.timeout(10)
+def test_max_delay_is_judged_by_redis_clock_not_the_hosts(r, redis_url, monkeypatch):
+    """max_delay was judged by each host's clock: one 90 s behind Redis's pushed a due
+    time 90 s old by the fleet's clock (max_delay 30 s) as recent, and one whose clock
+    had stepped 90 s ahead skipped as 100 s old a due time 10 s old."""
+    now = math.floor(redis_now(r))
+    every = cron.Entry("every-second", Schedule("* * * * * *"), "Any", "default", max_delay=30)
+    recent = cron.Entry("recent", daily_at(now - 10), "Any", "default", max_delay=30)
+    Cron(r, [every, recent]).boot(now - 100)  # the fleet first saw both 100 s ago
+    with structlog.testing.capture_logs() as logged:
+        monkeypatch.setattr(cron, "log", structlog.get_logger("forkq.cron"))
+        slow = Cron(r, [every])
+        assert slow.check(redis_now(r) - 90) == []  # its due time is < 1 s old by its clock
+        fast = Cron(r, [recent])
+        fast.boot(redis_now(r))  # its clock right at boot, then stepped 90 s ahead
+        assert [due for _, due, _ in fast.check(redis_now(r) + 90)] == [now - 10]
+    assert [j["cron"]["due"] for j in queued(r, "default")] == [now - 10]
+    (skipped,) = [e for e in logged if e["event"].startswith("periodic due time skipped")]
+    assert skipped["entry"] == "every-second" and 89 < skipped["late_s"] < 95

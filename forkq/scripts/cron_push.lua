@@ -8,10 +8,12 @@
 --   first saw the schedule then, see cron_boot.lua), `jid` and `pushed_at` of the latest push
 -- ARGV[1] the due time (epoch seconds), ARGV[2] the queue, ARGV[3] the payload,
 -- ARGV[4] its jid, ARGV[5] now (epoch seconds), ARGV[6] seconds the hash outlives this push,
--- ARGV[7] the schedule the due time is of
+-- ARGV[7] the schedule the due time is of, ARGV[8] (absent when the entry has none) its
+-- max_delay in seconds
 -- Returns {1, CLOCK} if this call pushed the job, {0, CLOCK} if the due time was already
--- done, {-1, CLOCK} if it has not come yet by Redis's clock; CLOCK is that clock (epoch
--- seconds, a string).
+-- done, {-1, CLOCK} if it has not come yet by Redis's clock, {-2, CLOCK} if it passed
+-- max_delay by Redis's clock unpushed (skipped); CLOCK is that clock (epoch seconds, a
+-- string).
 local t = redis.call('TIME')
 local clock = string.format('%d.%06d', t[1], t[2])
 local due = tonumber(ARGV[1])
@@ -26,6 +28,12 @@ for i = 1, 2 do
   if state[i] and tonumber(state[i]) >= due then
     return {0, clock}
   end
+end
+-- max_delay is judged by the same clock, after the done check (a due time another host
+-- pushed is no skip). A skip marks nothing: Redis's clock only moves on, so the due time
+-- stays too late for every host that offers it later
+if ARGV[8] and tonumber(clock) - due > tonumber(ARGV[8]) then
+  return {-2, clock}
 end
 -- Sidekiq's client writes a push as these two commands: its Web UI and workers see an
 -- ordinary job. The push comes before the mark: Redis does not undo a script's writes when
