@@ -301,6 +301,7 @@ PUSHED, DONE, NOT_YET, TOO_LATE = 1, 0, -1, -2
 # How far this host's clock may stray from Redis's before its log says so: a reading taken
 # before a call looks behind by the round trip, which a busy Redis stretches past a second
 SKEW_WARN_S = 2.0
+BEHIND_SLACK_S = 1.0
 
 
 class Cron:
@@ -315,11 +316,12 @@ class Cron:
     schedule of it first seen, owes nothing from before that moment.
 
     Redis's clock is the fleet's: `now` given to boot, check and wait_time is this host's
-    clock, held back to Redis's when it runs ahead (learnt from the scripts' replies, which
-    carry Redis's TIME; the scripts refuse a due time Redis's clock has not reached). A host
-    ahead would otherwise push early and, as a push marks every due time before it done,
-    take from the hosts on time the due times between the two clocks. A host behind pushes
-    late, after the others (still once). Either way its log says so, once."""
+    clock, set to Redis's (learnt from the scripts' replies, which carry Redis's TIME; the
+    scripts refuse a due time Redis's clock has not reached). A host ahead would otherwise
+    push early and, as a push marks every due time before it done, take from the hosts on
+    time the due times between the two clocks. A host behind is set to within
+    BEHIND_SLACK_S of Redis's clock after its first reply; until then it pushes late, or
+    skips what max_delay says is too late. Either way its log says so, once."""
 
     def __init__(self, client: redis.Redis, entries: list[Entry] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
@@ -388,17 +390,21 @@ class Cron:
 
     def _learn(self, host: float, clock: Any) -> float:
         """Take in Redis's clock from a script's reply (`host`: this host's clock read just
-        before the call); returns the fleet's now, this host's clock held back to Redis's."""
+        before the call); returns the fleet's now, this host's clock set to Redis's."""
         error = host - float(clock)
-        self._ahead = max(0.0, error)
+        # A host behind keeps BEHIND_SLACK_S of its lag: its reading, taken before the call,
+        # looks behind by the round trip, and one taken for ahead would offer each due time
+        # before Redis's clock reached it (a refused call each). Not learning the lag at all
+        # left a host behind by more than an entry's max_delay skipping every due time.
+        self._ahead = error if error > 0 else min(0.0, error + BEHIND_SLACK_S)
         skew = "ahead" if error > SKEW_WARN_S else "behind" if error < -SKEW_WARN_S else None
         if skew != self._skew:
             if skew == "ahead":
                 log.warning("this host's clock runs ahead of Redis's: periodic jobs wait for "
                             "Redis's clock (set this host's clock right, NTP)", ahead_s=round(error, 1))
             elif skew == "behind":
-                log.warning("this host's clock runs behind Redis's: its periodic pushes come "
-                            "late, after other hosts' (set this host's clock right, NTP)",
+                log.warning("this host's clock runs behind Redis's: periodic jobs follow "
+                            "Redis's clock (set this host's clock right, NTP)",
                             behind_s=round(-error, 1))
             else:
                 log.info("this host's clock agrees with Redis's again", error_s=round(error, 1))

@@ -53,6 +53,17 @@ def run_from(schedule: Schedule, t: float, n: int) -> list[str]:
     return out
 
 
+REAL_BEHIND_SLACK_S = cron.BEHIND_SLACK_S
+
+
+@pytest.fixture(autouse=True)
+def virtual_clock(monkeypatch):
+    """Most tests here drive Cron with a host clock of their choosing (fixed times years
+    behind Redis's): keep it from setting that clock to Redis's, as it sets a real host's
+    that runs behind. A test of that sets cron.BEHIND_SLACK_S back."""
+    monkeypatch.setattr(cron, "BEHIND_SLACK_S", math.inf)
+
+
 @pytest.fixture
 def entries():
     """forkq.periodic's registry, emptied for the test and given back after it."""
@@ -642,3 +653,19 @@ def test_max_delay_is_judged_by_redis_clock_not_the_hosts(r, redis_url, monkeypa
     assert [j["cron"]["due"] for j in queued(r, "default")] == [now - 10]
     (skipped,) = [e for e in logged if e["event"].startswith("periodic due time skipped")]
     assert skipped["entry"] == "every-second" and 89 < skipped["late_s"] < 95
+
+
+@pytest.mark.timeout(20)
+def test_a_host_whose_clock_runs_behind_follows_redis_clock_after_its_first_call(r, monkeypatch):
+    """It judged due times by its own clock, so with a lag over an entry's max_delay it
+    offered each one too late by Redis's clock, and skipped every run."""
+    monkeypatch.setattr(cron, "BEHIND_SLACK_S", REAL_BEHIND_SLACK_S)
+    every = cron.Entry("every-second", Schedule("* * * * * *"), "Any", "default", max_delay=30)
+    slow = Cron(r, [every])
+    slow.boot(redis_now(r) - 90)
+    pushed = []
+    for _ in range(3):
+        pushed += [due for _, due, _ in slow.check(redis_now(r) - 90 + 1)]
+    assert pushed and all(redis_now(r) - 5 < due <= redis_now(r) for due in pushed), pushed
+    # it wakes by Redis's clock too (to within BEHIND_SLACK_S), not 90 s late
+    assert slow.wait_time(redis_now(r) - 90) <= 1 + REAL_BEHIND_SLACK_S + 1
