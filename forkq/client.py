@@ -443,6 +443,9 @@ class Client:
         encode = payload.dumps if self.middleware else payload.dumps_new
         run_at = None if at is None else epoch(at)
         now = time.time()
+        for j in jobs:
+            if "expires_in" in j:
+                payload.stamp_expiry(j, now if run_at is None else max(run_at, now))
         if run_at is not None and run_at > now:
             for q in {j.get("queue", "default") for j in jobs}:  # the scheduler's default
                 payload.check_queue(q)

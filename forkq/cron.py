@@ -211,6 +211,8 @@ class Entry:
         # a job pushed late (a missed due time caught up) can tell which time it stands for
         job["cron"] = {"name": self.name, "due": due}
         job["enqueued_at"] = now
+        if "expires_in" in job:  # counted from the due time, not from a late push
+            payload.stamp_expiry(job, due)
         return job
 
 

@@ -134,12 +134,31 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
     """Return options if every value can go into a payload as it is, else raise TypeError
     naming the first that cannot: orjson would quietly write a datetime or UUID as a string,
     and the job would carry a value of another type than the one given."""
+    if "expires_in" in options:
+        check_expires_in(options["expires_in"])
     for name, value in options.items():
         if not _native(value):
             where, bad = _first_bad(value, f"option {name!r}")
             raise TypeError(f"job {where} is {bad!r} ({type(bad).__name__}); a payload carries only "
                             "JSON-native values: None, bool, int, float (finite), str, list, dict with str keys")
     return options
+
+
+def check_expires_in(value: Any) -> float | None:
+    """Return an expires_in option (seconds) if it is a finite number above 0, or None (no
+    expiry), else raise: a job that could never start, or never expire, is a mistake."""
+    if value is None or (type(value) in (int, float) and math.isfinite(value) and value > 0):
+        return value
+    raise ValueError(f"expires_in must be a number of seconds above 0, or None, not {value!r}")
+
+
+def stamp_expiry(job: dict[str, Any], start: float) -> None:
+    """Turn a job's expires_in option into the `expires_at` its payload carries: the epoch
+    second after which it must not start, counted from when it may first run (`start`:
+    its push, or its scheduled time)."""
+    expires_in = check_expires_in(job.pop("expires_in"))
+    if expires_in is not None:
+        job["expires_at"] = start + expires_in
 
 
 def check_retry(retry: Any) -> bool | int:

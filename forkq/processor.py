@@ -83,6 +83,22 @@ def run_job(fn: Callable[..., Any], job: dict[str, Any], queue: str) -> Any:
     return call(0)
 
 
+def _expired(job: dict[str, Any], expires: Any, queue: str) -> bool:
+    """True if a job is past its expires_at (an epoch second, by this host's clock) and
+    must not start. A value that is no number is ignored with a warning: running the job
+    loses nothing, where dropping it on a typo would."""
+    if type(expires) not in (int, float):
+        log.warning("expires_at is not a number; the job runs", jid=job.get("jid"), queue=queue,
+                    expires_at=repr(expires)[:100])
+        return False
+    late = time.time() - expires
+    if not late > 0:  # NaN, too, is no expiry
+        return False
+    log.info("expired: not run", jid=job.get("jid"), queue=queue, late_s=round(late, 3),
+             **{"class": payload.display_name(job)})
+    return True
+
+
 class Processor:
     def __init__(self, manager: "Manager", index: int, outcomes: Outcomes) -> None:
         self.manager = manager
@@ -147,6 +163,9 @@ class Processor:
         except MalformedPayload as exc:
             return self._malformed(unit, str(exc))
         name = job["class"]
+        expires = job.get("expires_at")
+        if expires is not None and _expired(job, expires, unit.queue):
+            return True  # dropped unrun: acknowledged as done
         jobdef = lookup(name)
         self.current = (unit.queue, unit.raw, time.time())
         logs.set_job(job.get("jid"), payload.display_name(job), unit.queue, job)
