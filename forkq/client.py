@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
 import time
@@ -15,7 +16,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
-from . import keys, payload, wire
+from . import keys, payload, scripts, unique, wire
 from .errors import ConfigError, RedisUnavailable
 from .masking import mask_text, mask_url  # noqa: F401  (forkq.client.mask_text, as before)
 
@@ -426,14 +427,16 @@ class Client:
 
     def _push_checked(self, name: str, checked: list[list], queue: str, retry: bool | int,
                       at: float | datetime | None, options: dict[str, Any]) -> list[str]:
-        payload.check_options(options)
+        payload.check_options(unique.check(options))
         payload.check_retry(retry)
         now = time.time()
         jobs = [payload.build(name, a, queue, retry, now, **options) for a in checked]
         return self.push_jobs(jobs, at=at)
 
     def push_jobs(self, jobs: list[dict[str, Any]], at: float | datetime | None = None) -> list[str]:
-        """Push prepared payloads (each with class, args, jid, queue)."""
+        """Push prepared payloads (each with class, args, jid, queue); return the jids of
+        those pushed: not those a client middleware dropped, nor the unique ones refused
+        because an identical job holds its lock."""
         if self.middleware:
             jobs = [j for j in (self._through_middleware(j) for j in jobs) if j is not None]
         if not jobs:
@@ -446,6 +449,8 @@ class Client:
         for j in jobs:
             if "expires_in" in j:
                 payload.stamp_expiry(j, now if run_at is None else max(run_at, now))
+        if test_push is None and any("unique_for" in j for j in jobs):
+            return self._push_unique(jobs, run_at, now, encode)
         if run_at is not None and run_at > now:
             for q in {j.get("queue", "default") for j in jobs}:  # the scheduler's default
                 payload.check_queue(q)
@@ -464,6 +469,27 @@ class Client:
                     for command in (("SADD", keys.QUEUES, q), ("LPUSH", keys.queue(q), *raws))])
         return [j["jid"] for j in jobs]
 
+    def _push_unique(self, jobs: list[dict[str, Any]], run_at: float | None, now: float,
+                     encode: Callable[[dict[str, Any]], bytes | str]) -> list[str]:
+        """Push jobs some of which are unique: one Lua call takes each lock and pushes its
+        job together (scripts/unique_push.lua). Jobs without uniqueness go in the same call,
+        in order, so a mixed batch keeps its order on the queue."""
+        later = run_at is not None and run_at > now
+        delay = run_at - now if later else 0.0
+        argv: list[Any] = []
+        for j in jobs:
+            q = j.get("queue", "default") if later else j["queue"]  # as the plain path reads it
+            payload.check_queue(q)
+            if unique.wanted(j):
+                lock, ttl = unique.lock_key(j["class"], q, j["args"]), unique.ttl_ms(j, delay)
+            else:
+                lock, ttl = "", 0
+            if not later:
+                j["enqueued_at"] = now
+            argv += [lock, j["jid"], ttl, q, run_at if later else "", encode(j)]
+        pushed = self._send_script("unique_push", (2, keys.QUEUES, keys.SCHEDULE, *argv))
+        return [j["jid"] for j, ok in zip(jobs, pushed) if ok]
+
     def _through_middleware(self, job: dict[str, Any]) -> dict[str, Any] | None:
         for mw in self.middleware:
             job = mw(job)
@@ -475,9 +501,16 @@ class Client:
         """Send one push's commands in one write, turning Redis trouble into forkq errors."""
         if test_push is not None:
             return test_push(commands)
+        return self._write(lambda pushers: pushers.run(commands))
+
+    def _send_script(self, name: str, args: tuple) -> Any:
+        """Run one push's script (numkeys, keys..., argv...), with _send's errors."""
+        return self._write(lambda pushers: pushers.run_script(name, args))
+
+    def _write(self, run: Callable[["_Pushers"], Any]) -> Any:
         for attempt in (1, 2):
             try:
-                return self._connected().run(commands)
+                return run(self._connected())
             except redis.ReadOnlyError:
                 # A failover just happened and we still talk to the old primary: reconnect
                 # and try once more, as the new primary is where the write belongs.
@@ -530,6 +563,23 @@ class _Pushers:
         finally:
             self._give(conn)  # in step, or disconnected by run_commands after a failure
 
+    def run_script(self, name: str, args: tuple) -> Any:
+        """EVALSHA of a push script (EVAL after NOSCRIPT), on a pooled connection."""
+        body = scripts.source(name)
+        sha = _SHAS.get(name) or _SHAS.setdefault(name, hashlib.sha1(body.encode()).hexdigest())
+        try:
+            conn = self._idle.pop()
+        except IndexError:
+            conn = self._new()
+        try:
+            return wire.run_script(conn, sha, body, args)
+        except wire.Unanswered as exc:
+            if wire.readonly(exc):
+                raise redis.ReadOnlyError(str(exc)) from None
+            raise
+        finally:
+            self._give(conn)
+
     def _give(self, conn: Any) -> None:
         if len(self._idle) < self.MAX_IDLE:
             self._idle.append(conn)
@@ -537,6 +587,7 @@ class _Pushers:
             conn.disconnect()
 
 
+_SHAS: dict[str, str] = {}
 _default: Client | None = None
 
 

@@ -240,6 +240,9 @@ def periodic(expression: str, job: Any, args: list | tuple = (), *, name: str | 
     declared twice with other settings, and TypeError for arguments that are not
     JSON-native."""
     from .jobs import Job
+    if "unique_for" in options or "unique_until" in options:
+        raise CronError(f"forkq.periodic({expression!r}): unique_for is refused here: an entry "
+                        "already pushes at most one job per due time")
     if isinstance(job, Job):
         job_name = job.name
         merged = _options(expression, lambda: job.options(
@@ -256,6 +259,10 @@ def periodic(expression: str, job: Any, args: list | tuple = (), *, name: str | 
     else:
         raise CronError(f"forkq.periodic({expression!r}): job must be a @forkq.job function or "
                         f"a job name, not {job!r}")
+    # a job's own unique_for is ignored: the push script does not take locks, and a worker
+    # given the option would try to release one nobody took
+    merged.pop("unique_for", None)
+    merged.pop("unique_until", None)
     entry_name = job_name if name is None else name
     if type(entry_name) is not str or not entry_name or "\n" in entry_name:
         raise CronError(f"forkq.periodic({expression!r}): name must be a non-empty str without "

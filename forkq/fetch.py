@@ -113,11 +113,16 @@ class ReliableFetch:
         self._conn: Any = None
         self._resend = 0 if self._new_conn is not None else 1  # the script's resend guard
         self._requeue_tokens = scripts.load(client, "requeue_tokens")
+        self._release = scripts.load(client, "release")
         self._requeue_all = scripts.load(client, "requeue_all")
         self._claim_suspect = scripts.load(client, "claim_suspect")
         self._return_suspect = scripts.load(client, "return_suspect")
         self._next_token = 1
         self._acks: deque[str] = deque()
+        # (lock key, jid) of unique jobs that succeeded: released by the call that carries
+        # their acks (queued after the ack, so a claim may carry an ack without its unlock,
+        # and the lock outlives its job a little, but never the other way round)
+        self._unlocks: deque[tuple[str, str]] = deque()
         # the acks of the claim on the wire: a stop's flush_acks deletes them too, in case
         # that claim is stuck (Redis frozen) and reaches Redis after the final requeue,
         # which would otherwise put those finished jobs back to run again
@@ -157,6 +162,7 @@ class ReliableFetch:
         if self._cleared:
             self.flush_acks()  # a suspect's ack and its crash count's delete go together
         acks = self._take_acks(4000)
+        unlocks = self._take_unlocks() if self._unlocks else ()
         landed = [q for q in self.order.names if q in self._landed]
         self._landed.difference_update(landed)
         order = self.order() if want > 0 else []
@@ -165,7 +171,8 @@ class ReliableFetch:
         first = -(-self._next_token // 10) * 10  # a multiple of ten: fetch.lua formats fewer digits
         self._next_token = first + max(want, 0)
         names = landed + order
-        argv: list[Any] = [want, len(acks), self._resend, first, *acks, *names]
+        argv: list[Any] = [want, len(acks), self._resend, first, len(unlocks) // 2, *acks,
+                           *unlocks, *names]
         self._sending = acks
         try:
             flat = self._claim(keys_, argv)
@@ -174,6 +181,7 @@ class ReliableFetch:
             # the acks were not applied: keep them for the next call; a landing list that
             # was not drained must be drained next time too
             self._acks.extendleft(reversed(acks))
+            self._unlocks.extendleft(reversed(_pairs(unlocks)))
             self._landed.update(landed)
             if want > 0:
                 self._uncertain.append((first, want))
@@ -207,6 +215,8 @@ class ReliableFetch:
         """
         if self._uncertain:
             self.recover_uncertain()
+        if self._unlocks:
+            self.flush_acks()  # the acks and the locks of unique jobs go together
         acks = self._take_acks(4000)
         cleared = list(self._cleared)
         token = str(self._next_token)
@@ -287,9 +297,23 @@ class ReliableFetch:
         return sum(self.give_back_landed(q) for q in self.order.names)
 
     # -- acknowledging ----------------------------------------------------------------
-    def ack(self, token: str) -> None:
-        """Queue a finished job's delete; it rides along with the next fetch call."""
+    def ack(self, token: str, unlock: tuple[str, str] | None = None) -> None:
+        """Queue a finished job's delete, and with `unlock` (lock key, jid) the release of
+        its unique lock; they ride along with the next fetch call."""
         self._acks.append(token)
+        if unlock is not None:
+            self._unlocks.append(unlock)
+
+    def unlock_now(self, lock: str, jid: str) -> None:
+        """Release a unique lock at once if it still holds `jid` (`unique_until: "start"`)."""
+        self._release(keys=[self.inflight_key], args=[0, lock, jid])
+
+    def _take_unlocks(self, limit: int = 1000) -> list[str]:
+        unlocks = self._unlocks
+        out: list[str] = []
+        while unlocks and len(out) < 2 * limit:
+            out += unlocks.popleft()
+        return out
 
     def pending_acks(self) -> int:
         return len(self._acks)
@@ -317,21 +341,27 @@ class ReliableFetch:
         if sending := self._sending:
             # another thread's claim is carrying these; deleting them twice does no harm
             self.redis.hdel(self.inflight_key, *sending)
-        while self._acks or self._cleared:
+        while self._acks or self._cleared or self._unlocks:
             batch = self._take_acks(4000)
             self._flushing = batch
             cleared = list(self._cleared)
+            unlocks = self._take_unlocks() if self._unlocks else []
             try:
                 if cleared:
                     pipe = self.redis.pipeline(transaction=True)
                     if batch:
                         pipe.hdel(self.inflight_key, *batch)
                     pipe.delete(*[keys.CRASH_PREFIX + jid for jid in cleared])
+                    if unlocks:
+                        self._release(keys=[self.inflight_key], args=[0, *unlocks], client=pipe)
                     pipe.execute()
+                elif unlocks:
+                    self._release(keys=[self.inflight_key], args=[len(batch), *batch, *unlocks])
                 else:
                     self.redis.hdel(self.inflight_key, *batch)
             except Exception:
                 self._acks.extendleft(reversed(batch))
+                self._unlocks.extendleft(reversed(_pairs(unlocks)))
                 raise
             finally:
                 self._flushing = []
@@ -348,6 +378,10 @@ class ReliableFetch:
         """Return everything this process holds to its queues and unregister it."""
         self.flush_acks()
         return requeue_owner(self.redis, self.identity, self.order.names, script=self._requeue_all)
+
+
+def _pairs(flat: list[str] | tuple) -> list[tuple[str, str]]:
+    return list(zip(flat[0::2], flat[1::2]))
 
 
 def _units(flat: list[Any], first: int, names: list[str]) -> list[Unit]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-from . import payload
+from . import payload, unique
 from .client import Client, default_client, epoch
 from .errors import PartialEnqueue, RedisUnavailable
 
@@ -28,7 +28,7 @@ class Enqueuer:
     def __init__(self, job: "Job", client: Client | None = None, **options: Any) -> None:
         self.job = job
         self._client = client
-        self.options = payload.check_options(options)
+        self.options = payload.check_options(unique.check(options))
         if "retry" in options:
             payload.check_retry(options["retry"])
 
@@ -167,7 +167,8 @@ class Job:
 def job(fn: Callable[..., Any] | None = None, *, queue: str = "default", retry: bool | int = True,
         name: str | None = None, backtrace: bool | int = False, retry_in: RetryIn | None = None,
         retries_exhausted: Exhausted | None = None, client: Client | None = None,
-        time_limit: float | None = None, **options: Any) -> Any:
+        time_limit: float | None = None, unique_for: float | None = None,
+        unique_until: str = "success", **options: Any) -> Any:
     """Register a function as a job: bare `@job` or `@job(queue=..., retry=..., name=...)`.
 
     retry: True means Sidekiq's 25 attempts, False none, an int that many.
@@ -175,9 +176,17 @@ def job(fn: Callable[..., Any] | None = None, *, queue: str = "default", retry: 
     delay above 0 gets Sidekiq's jitter of rand(10) * (count + 1) seconds added.
     time_limit: seconds a run may take; past them, TimeLimitExceeded is raised inside the
     job (see forkq.timelimit), which fails and is retried as any failure is.
+    unique_for: seconds during which a push of the same (class, queue, args) is refused
+    while one is pending; unique_until: "success" (the lock goes when the job succeeds or
+    leaves for good) or "start" (just before it runs). See forkq.unique.
     """
     payload.check_retry(retry)
     limit = _check_time_limit(time_limit)
+    if unique_for is not None:
+        options["unique_for"] = unique_for
+    if unique_until != "success":
+        options["unique_until"] = unique_until
+    unique.check(options)
 
     def register(f: Callable[..., Any]) -> Job:
         jname = name or f"{f.__module__}.{f.__qualname__}"

@@ -11,7 +11,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import hooks, logs, payload
+from . import hooks, logs, payload, unique
 from .errors import MalformedPayload, TimeLimitExceeded, UnknownJob
 from .fetch import Unit
 from .jobs import lookup
@@ -138,7 +138,10 @@ class Processor:
                 if self.manager.hard_stopped:
                     raise
                 acked = self._fault(unit, exc)
-            self.manager.done(unit.token if acked else None)
+            if acked.__class__ is bool:
+                self.manager.done(unit.token if acked else None)
+            else:  # a unique job that succeeded: its lock goes with its ack
+                self.manager.done(unit.token, acked)
 
     def _fault(self, unit: Unit, exc: BaseException) -> bool:
         """A fault in forkq's own handling of a job, outside the job's code: record it as
@@ -156,8 +159,9 @@ class Processor:
         self.manager.write(self.outcomes.failed, job, exc, unit.token, lookup(job["class"]))
         return False
 
-    def process(self, unit: Unit) -> bool:
-        """Run one job; True if its in-flight entry still needs the batched ack."""
+    def process(self, unit: Unit) -> bool | tuple[str, str]:
+        """Run one job; True if its in-flight entry still needs the batched ack, or for a
+        unique job that succeeded, (lock key, jid): its ack and its lock's release."""
         try:
             job = payload.parse(unit.raw)
         except MalformedPayload as exc:
@@ -167,6 +171,8 @@ class Processor:
         if expires is not None and _expired(job, expires, unit.queue):
             return True  # dropped unrun: acknowledged as done
         jobdef = lookup(name)
+        # the payload decides, not the local @job: another client's push is treated alike
+        lock = None if job.get("unique_for") is None else self._unique_lock(job)
         self.current = (unit.queue, unit.raw, time.time())
         logs.set_job(job.get("jid"), payload.display_name(job), unit.queue, job)
         try:
@@ -176,7 +182,22 @@ class Processor:
         # counted once it ended, failed or not, as Sidekiq counts: a job cut off by a hard
         # stop raised past here and counts when it runs again
         self.processed += 1
-        return acked
+        return lock if acked and lock is not None else acked
+
+    def _unique_lock(self, job: dict[str, Any]) -> tuple[str, str] | None:
+        """A unique job's (lock key, jid), worked out before the job runs (it may change
+        its args); None once released here, for `unique_until: "start"`."""
+        key, jid = unique.lock_of(job), job.get("jid")
+        if key is None or type(jid) is not str:
+            return None
+        if job.get("unique_until") != "start":
+            return key, jid
+        try:
+            self.manager.fetch.unlock_now(key, jid)
+        except Exception as exc:  # the job runs anyway; its lock lasts until its TTL
+            log.warning("could not release a unique job's lock before its run; it expires by "
+                        "its TTL", jid=jid, lock=key, error=str(exc))
+        return None
 
     def _perform(self, unit: Unit, job: dict[str, Any], name: str, jobdef: Any) -> bool:
         started = time.perf_counter()

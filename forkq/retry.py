@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from . import keys, payload, scripts
+from . import keys, payload, scripts, unique
 from .errors import UnknownJob
 from .fetch import writes_refused
 
@@ -161,17 +161,20 @@ class Outcomes:
         self.redis = client
         self.inflight_key = inflight_key
         self._to_dead = scripts.load(client, "to_dead")
+        self._release = scripts.load(client, "release")
         # token -> (fate, write) of failures whose write has not succeeded yet
         self._plans: dict[str, tuple[str, Callable[[str], None]]] = {}
         # told the due time of each retry written, so this process's poller looks by then
         self.retry_written: Callable[[float], None] | None = None
 
     def to_dead(self, job: dict[str, Any], token: str | bytes | None, now: float | None = None,
-                source: str | None = None, kind: str = "hash") -> None:
+                source: str | None = None, kind: str = "hash",
+                lock: tuple[str, str] | None = None) -> None:
+        """`lock`: a unique job's (lock key, jid), released in the same call."""
         now = time.time() if now is None else now
         self._to_dead(keys=[keys.DEAD, source or self.inflight_key],
                       args=[payload.dumps(job), now, token or "", kind,
-                            now - keys.DEAD_TIMEOUT_S, keys.DEAD_MAX_JOBS])
+                            now - keys.DEAD_TIMEOUT_S, keys.DEAD_MAX_JOBS, *(lock or ())])
 
     def to_retry(self, job: dict[str, Any], token: str, at: float) -> None:
         pipe = self.redis.pipeline(transaction=True)
@@ -181,8 +184,11 @@ class Outcomes:
         if self.retry_written is not None:
             self.retry_written(at)
 
-    def drop(self, token: str) -> None:
-        self.redis.hdel(self.inflight_key, token)
+    def drop(self, token: str, lock: tuple[str, str] | None = None) -> None:
+        if lock is None:
+            self.redis.hdel(self.inflight_key, token)
+        else:
+            self._release(keys=[self.inflight_key], args=[1, token, *lock])
 
     def failed(self, job: dict[str, Any], exc: BaseException, token: str,
                jobdef: "Job | None") -> str:
@@ -211,25 +217,35 @@ class Outcomes:
               jobdef: "Job | None") -> tuple[str, Callable[[str], None]]:
         now = time.time()
         limit = max_retries(job, jobdef)
+        # a unique job keeps its lock while it waits to retry, and releases it (in the
+        # write that ends it) when it leaves for good: dead, dropped or discarded
+        lock = None
+        if job.get("unique_for") is not None:
+            key, jid = unique.lock_of(job), job.get("jid")
+            if key is not None and type(jid) is str:
+                lock = (key, jid)
+        drop = self.drop if lock is None else lambda token: self.drop(token, lock)
         # A class this worker does not know never ran: in a rolling deploy the new code's
         # jobs reach old workers. Its `retry: false` or `dead: false` is about failures of
         # its own code, and dropping it lost a job nobody ever ran; it goes to dead, where
         # a retry sends it back once a worker that knows it runs.
         unknown = isinstance(exc, UnknownJob)
         if retry_option(job, jobdef) is False and not unknown:
-            return "dropped", self.drop
+            return "dropped", drop
         record_failure(job, exc, now)
         # Before the retry-or-dead decision, as Sidekiq's JobRetry does: a dead entry names
         # the retry queue too, so Sidekiq's (or forkq's) "Retry" of a dead job sends it
         # there and not back among the fresh jobs retry_queue keeps it away from
         if type(job.get("retry_queue")) is str:
+            if lock is not None and "unique_queue" not in job and job["retry_queue"] != job["queue"]:
+                job["unique_queue"] = job["queue"]  # the queue its lock is named by
             job["queue"] = job["retry_queue"]
         count = job["retry_count"]
         over = _retry_for_over(job, now)
         if not (count >= limit if over is None else over):
             decision = self._decide(jobdef, count, exc)
             if decision == "discard":
-                return "discarded", self.drop
+                return "discarded", drop
             if decision != "kill":
                 at = now + min(decision, MAX_DELAY_S)
                 return "retry", lambda token: self.to_retry(job, token, at)
@@ -241,8 +257,8 @@ class Outcomes:
                 # the job stuck in flight, as a job's own would; see Processor._perform)
                 pass
         if job.get("dead") is False and not unknown:
-            return "dropped", self.drop
-        return "dead", lambda token: self.to_dead(job, token, now)
+            return "dropped", drop
+        return "dead", lambda token: self.to_dead(job, token, now, lock=lock)
 
     @staticmethod
     def _decide(jobdef: "Job | None", count: int, exc: BaseException) -> float | str:

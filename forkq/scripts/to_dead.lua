@@ -1,8 +1,12 @@
 -- Move one entry to the dead set, trimming it as Sidekiq does, and release where it was.
 -- KEYS[1] dead, KEYS[2] source (in-flight hash or sorted set)
 -- ARGV[1] payload for dead, ARGV[2] now, ARGV[3] hash field or zset member to remove,
--- ARGV[4] 'hash' or 'zset', ARGV[5] cutoff score, ARGV[6] Sidekiq's dead_max_jobs
+-- ARGV[4] 'hash' or 'zset', ARGV[5] cutoff score, ARGV[6] Sidekiq's dead_max_jobs,
+-- then optionally ARGV[7] a unique job's lock key and ARGV[8] its jid: released if it
+-- still holds that jid
+--#include unlock
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+unlock(ARGV, 7, #ARGV)
 -- Sidekiq's own calls: the cutoff inclusive, and rank -max, which keeps max - 1 entries
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[5])
 redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -tonumber(ARGV[6]))

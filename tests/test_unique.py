@@ -1,0 +1,307 @@
+"""Unique jobs (`unique_for`): the push's lock, and its release by a real worker's code.
+
+In-process against the shared redis-server: a Manager whose processor is driven by hand
+(claim, run, done, and the next claim that carries the ack), so each test takes
+milliseconds. One test runs a real master and SIGKILLs its child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import redis
+
+import forkq
+from forkq import testing, unique
+from forkq.manager import Manager
+from forkq.queues import QueueOrder
+from helpers import wait_until
+from test_supervisor import sup_events, start_master, wait_event  # noqa: F401 (a fixture)
+
+RUNS = "unique:test:runs"
+calls: list[list] = []
+
+
+@forkq.job(queue="uq", unique_for=60, name="unique_test.sync")
+def sync(user: int) -> None:
+    calls.append([user])
+
+
+@forkq.job(queue="uq", unique_for=60, unique_until="start", name="unique_test.at_start")
+def at_start(user: int) -> None:
+    calls.append(["start", user])
+
+
+@forkq.job(queue="uq", unique_for=60, retry=1, name="unique_test.fails")
+def fails(user: int) -> None:
+    raise RuntimeError("boom")
+
+
+@forkq.job(queue="uq", unique_for=60, retry=False, name="unique_test.fails_once")
+def fails_once(user: int) -> None:
+    raise RuntimeError("boom")
+
+
+@forkq.job(queue="uq", name="unique_test.plain")
+def plain(user: int) -> None:
+    calls.append(["plain", user])
+
+
+@pytest.fixture
+def client(redis_url):
+    c = forkq.Client(redis_url)
+    calls.clear()
+    yield c
+
+
+@pytest.fixture
+def worker(redis_url, r):
+    """A Manager on queue uq, not started: run_one() drives its one processor."""
+    manager = Manager(lambda: redis.Redis.from_url(redis_url), "test:1:000000000000",
+                      QueueOrder([("uq", 0)]), concurrency=1)
+    manager.fetch.register()
+    yield manager
+    manager.fetch.close()
+
+
+def run_one(manager: Manager) -> None:
+    """Claim one job and run it as a processor thread does (Processor._serve's body)."""
+    (unit,) = manager.fetch.fetch(1)
+    (processor,) = manager.processors
+    acked = processor.process(unit)
+    if acked.__class__ is bool:
+        manager.done(unit.token if acked else None)
+    else:
+        manager.done(unit.token, acked)
+
+
+def locks(r) -> dict[bytes, bytes]:
+    return {k: r.get(k) for k in r.scan_iter("unique:*") if k != RUNS.encode()}
+
+
+def test_a_duplicate_is_refused_while_pending_and_pushes_nothing(client, r):
+    jid = sync.options(client=client).enqueue(7)
+    assert jid is not None
+    assert sync.options(client=client).enqueue(7) is None
+    assert sync.options(client=client).enqueue_in(30, 7) is None
+    assert r.llen("queue:uq") == 1 and r.zcard("schedule") == 0
+    key = unique.lock_key("unique_test.sync", "uq", [7])
+    assert locks(r) == {key.encode(): jid.encode()}
+    assert 59_000 < r.pttl(key) <= 60_000
+    # the payload carries the option, for the worker; the default unique_until is not written
+    (raw,) = r.lrange("queue:uq", 0, -1)
+    job = json.loads(raw)
+    assert job["unique_for"] == 60 and "unique_until" not in job
+    assert sync.options(client=client).enqueue(8) is not None  # other args: another job
+
+
+def test_the_same_args_on_another_queue_are_another_job(client, r):
+    assert sync.options(client=client).enqueue(7)
+    assert sync.options(client=client, queue="other").enqueue(7)
+    assert r.llen("queue:uq") == 1 and r.llen("queue:other") == 1
+    assert len(locks(r)) == 2
+
+
+def test_enqueue_many_leaves_duplicates_out_of_its_jids(client, r):
+    first = sync.options(client=client).enqueue(1)
+    jids = sync.options(client=client).enqueue_many([[1], [2], [2], [3]])
+    assert len(jids) == 2 and first not in jids
+    assert sorted(json.loads(x)["args"] for x in r.lrange("queue:uq", 0, -1)) == [[1], [2], [3]]
+    assert sorted(r.get(unique.lock_key("unique_test.sync", "uq", [a])).decode()
+                  for a in (2, 3)) == sorted(jids)
+
+
+def test_bypass_with_unique_for_none(client, r):
+    assert sync.options(client=client).enqueue(7)
+    assert sync.options(client=client, unique_for=None).enqueue(7)
+    assert sync.options(client=client, unique_for=False).enqueue(7)
+    assert r.llen("queue:uq") == 3
+    assert [("unique_for" in json.loads(x)) for x in r.lrange("queue:uq", 0, -1)] == [False, False, True]
+
+
+def test_a_lock_expires_after_its_ttl(client, r):
+    fast = sync.options(client=client, unique_for=0.05)
+    assert fast.enqueue(7)
+    assert fast.enqueue(7) is None
+    wait_until(lambda: not r.exists(unique.lock_key("unique_test.sync", "uq", [7])), timeout=2)
+    assert fast.enqueue(7)
+    assert r.llen("queue:uq") == 2
+
+
+def test_a_scheduled_push_holds_its_lock_for_the_delay_too(client, r):
+    assert sync.options(client=client, unique_for=10).enqueue_in(100, 7)
+    assert r.zcard("schedule") == 1
+    ttl = r.pttl(unique.lock_key("unique_test.sync", "uq", [7]))
+    assert 109_000 < ttl <= 110_000
+    assert sync.options(client=client).enqueue(7) is None
+
+
+def test_the_push_takes_the_lock_and_pushes_as_one(client, r):
+    # a queue key of the wrong type makes the push fail inside the script: no lock is left
+    # behind for a job that never went in
+    r.set("queue:uq", "not a list")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        sync.options(client=client).enqueue(7)
+    assert locks(r) == {}
+    r.delete("queue:uq")
+    # a held lock refuses its job, and the job is not pushed: one of each, never a lock alone
+    r.set(unique.lock_key("unique_test.sync", "uq", [7]), "someone")
+    assert sync.options(client=client).enqueue(7) is None
+    assert r.llen("queue:uq") == 0
+
+
+def test_success_releases_the_lock_with_the_ack(client, r, worker):
+    assert sync.options(client=client).enqueue(7)
+    run_one(worker)
+    assert calls == [[7]]
+    key = unique.lock_key("unique_test.sync", "uq", [7])
+    assert r.exists(key)  # not yet: it rides on the next claim, with the ack
+    assert worker.fetch.fetch(0) == []
+    assert not r.exists(key) and r.hlen(worker.fetch.inflight_key) == 0
+    assert sync.options(client=client).enqueue(7)
+
+
+def test_flush_acks_releases_too(client, r, worker):
+    assert sync.options(client=client).enqueue(7)
+    run_one(worker)
+    worker.fetch.flush_acks()  # quiet and stop send acks this way
+    assert locks(r) == {} and r.hlen(worker.fetch.inflight_key) == 0
+
+
+def test_unique_until_start_releases_before_the_run(client, r, worker):
+    seen = []
+    jobdef = forkq.jobs.lookup("unique_test.at_start")
+    original = jobdef.fn
+    jobdef.fn = lambda user: seen.append(locks(r))
+    try:
+        assert at_start.options(client=client).enqueue(7)
+        assert at_start.options(client=client).enqueue(7) is None
+        run_one(worker)
+    finally:
+        jobdef.fn = original
+    assert seen == [{}]  # gone while the job ran
+    assert at_start.options(client=client).enqueue(7)
+
+
+def test_a_failure_that_retries_keeps_the_lock_and_a_death_releases_it(client, r, worker):
+    jid = fails.options(client=client).enqueue(7)
+    key = unique.lock_key("unique_test.fails", "uq", [7])
+    run_one(worker)
+    assert r.zcard("retry") == 1 and r.get(key) == jid.encode()
+    assert fails.options(client=client).enqueue(7) is None
+    # the retry runs and fails for the last time: dead, and the lock goes in the same call
+    (raw,) = r.zrange("retry", 0, -1)
+    r.delete("retry")
+    r.lpush("queue:uq", raw)
+    run_one(worker)
+    assert r.zcard("dead") == 1 and not r.exists(key)
+    assert fails.options(client=client).enqueue(7)
+
+
+def test_a_dropped_job_releases_its_lock(client, r, worker):
+    assert fails_once.options(client=client).enqueue(7)  # retry=False: dropped on failure
+    run_one(worker)
+    assert r.zcard("retry") == 0 and r.zcard("dead") == 0
+    assert locks(r) == {} and r.hlen(worker.fetch.inflight_key) == 0
+
+
+def test_an_unknown_class_that_dies_releases_its_lock(client, r, worker):
+    assert client.push("unique_test.nobody", [7], queue="uq", retry=0, unique_for=60)
+    run_one(worker)
+    assert r.zcard("dead") == 1 and locks(r) == {}
+
+
+def test_a_retry_to_retry_queue_keeps_the_lock_it_took(client, r, worker):
+    key = unique.lock_key("unique_test.fails", "uq", [7])
+    assert fails.options(client=client, retry_queue="later").enqueue(7)
+    run_one(worker)
+    (raw,) = r.zrange("retry", 0, -1)
+    job = json.loads(raw)
+    assert job["queue"] == "later" and job["unique_queue"] == "uq"
+    assert unique.lock_of(job) == key and r.exists(key)
+
+
+def test_a_stale_job_cannot_release_a_newer_lock(client, r, worker):
+    fast = sync.options(client=client, unique_for=0.05)
+    old = fast.enqueue(7)
+    key = unique.lock_key("unique_test.sync", "uq", [7])
+    wait_until(lambda: not r.exists(key), timeout=2)
+    new = sync.options(client=client).enqueue(7)  # the old one is still queued
+    assert new and new != old
+    run_one(worker)  # the old one runs (pushed first) and succeeds
+    worker.fetch.flush_acks()
+    assert r.get(key) == new.encode()
+
+
+def test_a_payload_from_another_client_is_unlocked_as_ours(client, r, worker):
+    # no @job option involved: a raw Sidekiq-format push that took the lock as documented
+    key = unique.lock_key("unique_test.sync", "uq", [9])
+    job = {"class": "unique_test.sync", "args": [9], "jid": "a" * 24, "queue": "uq",
+           "retry": True, "unique_for": 30}
+    r.set(key, "a" * 24, px=30_000)
+    r.lpush("queue:uq", json.dumps(job))
+    run_one(worker)
+    worker.fetch.flush_acks()
+    assert not r.exists(key)
+
+
+@pytest.mark.parametrize("options, error", [
+    ({"unique_for": 0}, ValueError), ({"unique_for": -1}, ValueError),
+    ({"unique_for": float("inf")}, ValueError), ({"unique_for": "60"}, TypeError),
+    ({"unique_for": True}, TypeError), ({"unique_for": 60, "unique_until": "end"}, ValueError),
+    ({"unique_for": 60, "unique_until": 1}, TypeError), ({"unique_until": "start"}, ValueError),
+])
+def test_bad_options_are_refused_at_decoration_and_per_push(options, error):
+    with pytest.raises(error, match="unique_"):
+        forkq.job(name="unique_test.bad", **options)(lambda: None)
+    with pytest.raises(error, match="unique_"):
+        plain.options(**options)
+    with pytest.raises(error, match="unique_"):
+        forkq.Client("redis://127.0.0.1:1/0").push("unique_test.plain", [1], **options)
+
+
+def test_periodic_refuses_unique_for_and_ignores_the_jobs_own():
+    from forkq import cron
+    with pytest.raises(cron.CronError, match="unique_for"):
+        forkq.periodic("* * * * *", sync, [1], name="unique_test.cron1", unique_for=60)
+    entry = forkq.periodic("* * * * *", sync, [1], name="unique_test.cron2")
+    try:
+        assert "unique_for" not in dict(entry.options)
+    finally:
+        cron.ENTRIES.pop("unique_test.cron2", None)
+
+
+def test_fake_mode_records_every_push_without_enforcing_uniqueness():
+    with testing.fake() as jobs:
+        assert sync.enqueue(7) and sync.enqueue(7)
+        assert jobs.args(sync) == [[7], [7]]
+        assert jobs.of(sync)[0]["unique_for"] == 60
+    calls.clear()
+    with testing.inline():
+        sync.enqueue(7)
+        sync.enqueue(7)
+    assert calls == [[7], [7]]
+
+
+@pytest.mark.timeout(60)
+def test_a_sigkilled_childs_unique_job_is_requeued_runs_once_and_unlocks(start_master, redis_url, r):
+    """The child running a unique job dies: recovery puts the job back with its lock held,
+    a duplicate push is still refused, and the job's eventual success releases the lock."""
+    m = start_master(processes=1, concurrency=1)
+    (victim_pid,) = m.wait_slots().values()
+    pusher = forkq.Client(redis_url)
+    jid = pusher.push("sup.sleep", ["uq-victim", 0.5], unique_for=60)
+    key = unique.lock_key("sup.sleep", "default", ["uq-victim", 0.5])
+    wait_event(r, m, "start", "uq-victim")
+    os.kill(victim_pid, signal.SIGKILL)
+    assert pusher.push("sup.sleep", ["uq-victim", 0.5], unique_for=60) is None
+    wait_event(r, m, "done", "uq-victim", timeout=15)
+    wait_until(lambda: not r.exists(key), timeout=5, message="the lock released after the rerun")
+    starts = [e["pid"] for e in sup_events(r, "start", "uq-victim")]
+    assert len(starts) == 2 and starts[0] == victim_pid and starts[1] != victim_pid
+    assert len(sup_events(r, "done", "uq-victim")) == 1
+    assert r.llen("queue:default") == 0 and r.zcard("dead") == 0 and r.zcard("retry") == 0
+    assert pusher.push("sup.sleep", ["uq-victim", 0.5], unique_for=60) not in (None, jid)
