@@ -625,8 +625,9 @@ def test_a_resent_claim_naming_a_queue_twice_hands_over_each_job_once(own_redis)
                           direct=False)
     landing = "forkq:landing:test:1:000000000000:default"
     admin.lmove("queue:default", landing, "RIGHT", "LEFT")  # as a blocking wait does
-    # want 3, no acks, may be a resend, from token 1; the landing list's queue, the queue
-    args = [3, 0, 1, 1, "default", "default"]
+    # want 3, no acks, may be a resend, from token 1, no unique locks; the landing list's
+    # queue, the queue
+    args = [3, 0, 1, 1, 0, "default", "default"]
     keys_ = [fetch.inflight_key, landing, "queue:default"]
     first = fetch._fetch(keys=keys_, args=args)
     again = fetch._fetch(keys=keys_, args=args)
@@ -683,7 +684,7 @@ def test_the_fields_a_claim_writes_are_the_tokens_its_jobs_carry(own_redis):
             for _ in range(4):
                 admin.lmove("queue:default", landing, "RIGHT", "LEFT")
             reply = fetch._fetch(keys=[fetch.inflight_key, landing, "queue:default"],
-                                 args=[12, 0, 0, first, "default", "default"])
+                                 args=[12, 0, 0, first, 0, "default", "default"])
             assert reply[0] == [4, 8]
             assert sorted(admin.hkeys(fetch.inflight_key)) == sorted(
                 f"{t}\ndefault".encode() for t in range(first, first + 12))
