@@ -75,6 +75,8 @@ def main() -> int:
     t.add("enqueue_many (batches of 1,000)", f"{f['enqueue_many']:,.0f} jobs/s", ">= 150,000",
           f["enqueue_many"] >= 150_000)
     t.add("enqueue, one thread", f"{f['enqueue']:,.0f} jobs/s", ">= 10,000", f["enqueue"] >= 10_000)
+    t.add("unique jobs: enqueue_many / enqueue", f"{f['enqueue_many_unique']:,.0f} / "
+          f"{f['enqueue_unique']:,.0f} jobs/s")
     med = f" (median of {len(f['ratios'])})" if len(f["ratios"]) > 1 else ""
     t.add(f"processing, 2 x 10, --log-level warning{med}", f"{f['process_warning']:,.0f} jobs/s",
           ">= 20,000 (aim 30,000)", f["process_warning"] >= 20_000)

@@ -10,6 +10,11 @@ def noop() -> None:
     pass
 
 
+@forkq.job(queue="bench", unique_for=600)
+def unique_noop(n: int) -> None:
+    pass
+
+
 @forkq.job(queue="bench")
 def spin(n: int) -> None:
     # pure-Python work that holds the GIL: one process can run one core's worth of it

@@ -65,6 +65,28 @@ def bench_enqueue(r, n: int, rounds: int = 3) -> tuple[float, float]:
     return bulk_rate, single_rate
 
 
+def bench_enqueue_unique(r, n: int, rounds: int = 3) -> tuple[float, float]:
+    """As bench_enqueue, for unique jobs (`unique_for`), every push taking a new lock (its
+    own args): the push is a Lua call that checks and sets the lock with the push."""
+    client = forkq.Client(r.url)
+    many = jobs.unique_noop.options(client=client)
+    many.enqueue_many([(i,) for i in range(1000)])
+    bulk_rate = single_rate = 0.0
+    single = min(n, 5000)
+    for _ in range(rounds):
+        r.client.flushall()
+        t0 = time.perf_counter()
+        many.enqueue_many([(i,) for i in range(n)])
+        bulk_rate = max(bulk_rate, n / (time.perf_counter() - t0))
+        r.client.flushall()
+        t0 = time.perf_counter()
+        for i in range(single):
+            many.enqueue(i)
+        single_rate = max(single_rate, single / (time.perf_counter() - t0))
+    r.client.flushall()
+    return bulk_rate, single_rate
+
+
 def wait_blocked(r, processes: int, timeout: float = 20) -> None:
     """Until every child's fetcher has found the queue empty and blocks in BLMOVE."""
     deadline = time.monotonic() + timeout
@@ -188,6 +210,7 @@ def measure(jobs_n: int = 20_000, processes: int = 2, concurrency: int = 10,
     out: dict[str, Any] = {}
     with PrivateRedis() as r:
         out["enqueue_many"], out["enqueue"] = bench_enqueue(r, jobs_n)
+        out["enqueue_many_unique"], out["enqueue_unique"] = bench_enqueue_unique(r, jobs_n)
         runs: dict[str, list[tuple[float, ...]]] = {"warning": [], "info": [], "1": [],
                                                     "spin": [], "spin1": []}
         spin_n = max(jobs_n // 5, 200)
@@ -239,6 +262,8 @@ def main() -> None:
     f = measure(a.jobs, a.processes, a.concurrency, a.recovery_rounds, a.rounds)
     print(f"enqueue_many:        {f['enqueue_many']:10,.0f} jobs/s  (batches of 1,000, {a.jobs:,} jobs, best of 3)")
     print(f"enqueue (one by one): {f['enqueue']:9,.0f} jobs/s  (one thread, best of 3)")
+    print(f"unique jobs (unique_for): enqueue_many {f['enqueue_many_unique']:,.0f} jobs/s, "
+          f"enqueue {f['enqueue_unique']:,.0f} jobs/s")
     for level in ("warning", "info"):
         print(f"processing --log-level {level:7}: {f['process_' + level]:8,.0f} jobs/s, "
               f"{f['commands_' + level]:.2f} Redis commands/job "

@@ -56,7 +56,9 @@ class Enqueuer:
         return jids[0] if jids else None
 
     def enqueue_many(self, args_list: Iterable[Iterable[Any]], batch_size: int = 1000) -> list[str]:
-        """Push many jobs, one round trip per batch of `batch_size`; return their jids.
+        """Push many jobs, one round trip per batch of `batch_size`; return the jids of
+        those pushed (not of jobs client middleware dropped, nor of unique jobs refused
+        because an identical one is pending: the list is then shorter than the input).
 
         Every argument list is checked before any job is pushed, so a bad one pushes
         nothing. When Redis fails after some batches went in, PartialEnqueue says which
