@@ -11,14 +11,19 @@
 -- once a script has written Redis lets the rest of it write, so a job is never pushed
 -- without its lock, and a lock never exists for a job that was not pushed.
 local out = {}
+local listed = {}  -- queues already SADDed by this call
 for i = 1, #ARGV, 6 do
   local lock = ARGV[i]
   if lock ~= '' and redis.call('EXISTS', lock) == 1 then
     out[#out + 1] = 0
   else
+    local q = ARGV[i + 3]
     if ARGV[i + 4] == '' then
-      redis.call('SADD', KEYS[1], ARGV[i + 3])
-      redis.call('LPUSH', 'queue:' .. ARGV[i + 3], ARGV[i + 5])
+      if not listed[q] then
+        redis.call('SADD', KEYS[1], q)
+        listed[q] = true
+      end
+      redis.call('LPUSH', 'queue:' .. q, ARGV[i + 5])
     else
       redis.call('ZADD', KEYS[2], ARGV[i + 4], ARGV[i + 5])
     end
