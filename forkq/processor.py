@@ -167,12 +167,12 @@ class Processor:
         except MalformedPayload as exc:
             return self._malformed(unit, str(exc))
         name = job["class"]
-        expires = job.get("expires_at")
-        if expires is not None and _expired(job, expires, unit.queue):
-            return True  # dropped unrun: acknowledged as done
-        jobdef = lookup(name)
         # the payload decides, not the local @job: another client's push is treated alike
         lock = None if job.get("unique_for") is None else self._unique_lock(job)
+        expires = job.get("expires_at")
+        if expires is not None and _expired(job, expires, unit.queue):
+            return True if lock is None else lock  # dropped unrun: acknowledged as done
+        jobdef = lookup(name)
         self.current = (unit.queue, unit.raw, time.time())
         logs.set_job(job.get("jid"), payload.display_name(job), unit.queue, job)
         try:

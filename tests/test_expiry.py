@@ -8,7 +8,7 @@ import time
 import pytest
 
 import forkq
-from forkq import cron, keys
+from forkq import cron, keys, unique
 from forkq.cron import Schedule
 from corekit import core_jobs, forkq_client, records, wait_records, workers  # noqa: F401
 from helpers import wait_until
@@ -69,7 +69,11 @@ def test_a_worker_drops_a_job_past_its_expiry_unrun_and_runs_the_others(workers,
         # no number: the worker runs it (and warns) rather than lose it on a typo
         dict(base, jid="c" * 24, args=["garbled"], expires_at="soon"),
         dict(base, jid="d" * 24, args=["last"]),
+        # a unique job that expired leaves for good: its lock goes with it
+        dict(base, jid="e" * 24, args=["expired-unique"], expires_at=now - 1, unique_for=600),
     ]
+    lock = unique.lock_key(core_jobs.record.name, "default", ["expired-unique"])
+    r.set(lock, "e" * 24, ex=600)
     r.lpush("queue:default", *[json.dumps(j) for j in pushed])
     worker = workers(concurrency=1)
     wait_records(r, 3, worker, kind="record")
@@ -77,5 +81,6 @@ def test_a_worker_drops_a_job_past_its_expiry_unrun_and_runs_the_others(workers,
                message="every claimed job acknowledged")
     assert sorted(rec["args"][0] for rec in records(r, "record")) == ["fresh", "garbled", "last"]
     assert r.llen("queue:default") == r.zcard("retry") == r.zcard("dead") == 0
+    wait_until(lambda: not r.exists(lock), timeout=5, message="the expired unique job's lock released")
     log = worker.log_path.read_text()
     assert "expired: not run" in log and "expires_at is not a number" in log
