@@ -6,6 +6,7 @@ import base64
 import json
 import math
 import re
+import sys
 import time
 import zlib
 from random import getrandbits
@@ -147,7 +148,8 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
 def check_expires_in(value: Any) -> float | None:
     """Return an expires_in option (seconds) if it is a finite number above 0, or None (no
     expiry), else raise: a job that could never start, or never expire, is a mistake."""
-    if value is None or (type(value) in (int, float) and math.isfinite(value) and value > 0):
+    # compared, not passed to math.isfinite: an int past a float's range raised OverflowError
+    if value is None or (type(value) in (int, float) and 0 < value <= sys.float_info.max):
         return value
     raise ValueError(f"expires_in must be a number of seconds above 0, or None, not {value!r}")
 

@@ -91,10 +91,16 @@ def _expired(job: dict[str, Any], expires: Any, queue: str) -> bool:
         log.warning("expires_at is not a number; the job runs", jid=job.get("jid"), queue=queue,
                     expires_at=repr(expires)[:100])
         return False
-    late = time.time() - expires
-    if not late > 0:  # NaN, too, is no expiry
+    now = time.time()
+    # compared before any subtraction: an int past a float's range (valid JSON) raised
+    # OverflowError there; NaN, too, is no expiry
+    if not now > expires:
         return False
-    log.info("expired: not run", jid=job.get("jid"), queue=queue, late_s=round(late, 3),
+    try:
+        late: float | None = round(now - expires, 3)
+    except OverflowError:  # an int below a float's range
+        late = None
+    log.info("expired: not run", jid=job.get("jid"), queue=queue, late_s=late,
              **{"class": payload.display_name(job)})
     return True
 

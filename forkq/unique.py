@@ -46,7 +46,7 @@ def check(options: dict[str, Any]) -> dict[str, Any]:
     if type(seconds) not in (int, float):
         raise TypeError(f"unique_for must be a number of seconds above 0 (or None to push without "
                         f"uniqueness), not {seconds!r} ({type(seconds).__name__})")
-    if not (math.isfinite(seconds) and 0 < seconds <= MAX_S):
+    if not 0 < seconds <= MAX_S:  # NaN and inf fail it; math.isfinite raised OverflowError on a big int
         raise ValueError(f"unique_for must be a number of seconds above 0 and at most 1e9, not {seconds!r}")
     until = options.get("unique_until", "success")
     _check_until(until)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import forkq
-from forkq import cron, keys, unique
+from forkq import cron, keys, processor, unique
 from forkq.cron import Schedule
 from corekit import core_jobs, forkq_client, records, wait_records, workers  # noqa: F401
 from helpers import wait_until
@@ -41,7 +41,8 @@ def test_expires_in_is_stamped_as_expires_at_from_when_the_job_may_first_run(for
 
 
 @pytest.mark.timeout(20)
-@pytest.mark.parametrize("bad", [0, -1, math.nan, math.inf, "60", True])
+@pytest.mark.parametrize("bad", [0, -1, math.nan, math.inf, "60", True,
+                                 pytest.param(10**400, id="int-past-float")])
 def test_an_expires_in_that_is_not_seconds_above_0_is_refused_before_anything_is_pushed(bad, forkq_client, r):
     with pytest.raises(ValueError, match="expires_in"):
         core_jobs.record.options(expires_in=bad)
@@ -50,6 +51,16 @@ def test_an_expires_in_that_is_not_seconds_above_0_is_refused_before_anything_is
     with pytest.raises(ValueError, match="expires_in"):
         forkq.job(lambda: None, name="expiry.bad", expires_in=bad)
     assert r.dbsize() == 0
+
+
+@pytest.mark.parametrize("expires_at, expired", [
+    pytest.param(10**400, False, id="int-past-float"), pytest.param(-10**400, True, id="int-below-float"),
+    (math.inf, False), (math.nan, False), (1.0, True)])
+def test_any_number_a_payload_carries_as_expires_at_is_judged_without_raising(expires_at, expired):
+    """An int past a float's range (JSON allows it; Python parses it exact) raised
+    OverflowError in the worker's expiry check: a fault in forkq's handling, recorded as
+    the job's failure at every try, until dead."""
+    assert processor._expired({"jid": "x", "class": "A"}, expires_at, "q") is expired
 
 
 def test_a_periodic_entrys_expiry_counts_from_its_due_time():

@@ -269,7 +269,8 @@ def test_a_payload_from_another_client_is_unlocked_as_ours(client, r, worker):
 @pytest.mark.parametrize("options, error", [
     ({"unique_for": 0}, ValueError), ({"unique_for": -1}, ValueError),
     ({"unique_for": float("inf")}, ValueError), ({"unique_for": "60"}, TypeError),
-    ({"unique_for": True}, TypeError), ({"unique_for": 60, "unique_until": "end"}, ValueError),
+    ({"unique_for": True}, TypeError), pytest.param({"unique_for": 10**400}, ValueError, id="int-past-float"),
+    ({"unique_for": 60, "unique_until": "end"}, ValueError),
     ({"unique_for": 60, "unique_until": 1}, TypeError), ({"unique_until": "start"}, ValueError),
 ])
 def test_bad_options_are_refused_at_decoration_and_per_push(options, error):
