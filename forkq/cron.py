@@ -313,6 +313,12 @@ SKEW_WARN_S = 2.0
 BEHIND_SLACK_S = 1.0
 
 
+def _lag() -> str:
+    """cron_boot.lua's limit on how far a boot's `since` may lag Redis's clock: the slack
+    a host behind keeps (tests set it to inf to drive Cron by a clock of their own)."""
+    return repr(BEHIND_SLACK_S) if math.isfinite(BEHIND_SLACK_S) else ""
+
+
 class Cron:
     """A process's periodic check: sleeps until the earliest next due time of its entries
     (nothing in Redis meanwhile), then offers each due entry's job to the push script.
@@ -364,7 +370,7 @@ class Cron:
         try:
             *states, clock = self._boot(
                 keys=[keys.cron(e.name) for e in self.entries],
-                args=[repr(now), keys.CRON_TTL_S] + [e.schedule.spec for e in self.entries])
+                args=[repr(now), keys.CRON_TTL_S, _lag()] + [e.schedule.spec for e in self.entries])
         except redis.ResponseError as exc:
             if writes_refused(exc):
                 raise
@@ -387,7 +393,7 @@ class Cron:
         """The entry's state and Redis's clock; (None, None) for an entry left out."""
         try:
             state, clock = self._boot(keys=[keys.cron(entry.name)],
-                                      args=[repr(now), keys.CRON_TTL_S, entry.schedule.spec])
+                                      args=[repr(now), keys.CRON_TTL_S, _lag(), entry.schedule.spec])
             return state, clock
         except redis.ResponseError as exc:
             if writes_refused(exc):

@@ -661,11 +661,27 @@ def test_a_host_whose_clock_runs_behind_follows_redis_clock_after_its_first_call
     offered each one too late by Redis's clock, and skipped every run."""
     monkeypatch.setattr(cron, "BEHIND_SLACK_S", REAL_BEHIND_SLACK_S)
     every = cron.Entry("every-second", Schedule("* * * * * *"), "Any", "default", max_delay=30)
+    Cron(r, [every]).boot(redis_now(r))  # the fleet runs it (a new entry owes nothing yet)
     slow = Cron(r, [every])
     slow.boot(redis_now(r) - 90)
-    pushed = []
-    for _ in range(3):
-        pushed += [due for _, due, _ in slow.check(redis_now(r) - 90 + 1)]
+    next_second(r)  # a due time owed
+    pushed = [due for _, due, _ in slow.check(redis_now(r) - 90 + 1)]
     assert pushed and all(redis_now(r) - 5 < due <= redis_now(r) for due in pushed), pushed
     # it wakes by Redis's clock too (to within BEHIND_SLACK_S), not 90 s late
     assert slow.wait_time(redis_now(r) - 90) <= 1 + REAL_BEHIND_SLACK_S + 1
+
+
+@pytest.mark.timeout(10)
+def test_a_host_behind_booting_a_new_entry_owes_nothing_from_before_redis_clock(r, monkeypatch):
+    """The boot stamped a new entry's `since` with the host's clock, 90 s behind Redis's,
+    and then, set to Redis's clock, found a due time of those 90 s owed: a new entry fired
+    at once for a time from before the fleet first saw it."""
+    monkeypatch.setattr(cron, "BEHIND_SLACK_S", REAL_BEHIND_SLACK_S)
+    now = math.floor(redis_now(r))
+    entry = cron.Entry("fresh", daily_at(now - 10), "Any", "default")
+    slow = Cron(r, [entry])
+    slow.boot(redis_now(r) - 90)
+    assert slow.check(redis_now(r) - 90) == []
+    assert queued(r, "default") == []
+    since = float(r.hget(keys.cron("fresh"), f"since:{entry.schedule.spec}"))
+    assert since >= now  # the fleet's clock: no due time before it is owed
