@@ -316,7 +316,8 @@ class ReliableFetch:
         return out
 
     def pending_acks(self) -> int:
-        return len(self._acks)
+        # unlocks too: one queued after a flush took its ack waits for the next flush
+        return len(self._acks) + len(self._unlocks)
 
     def unsent_acks(self) -> list[str]:
         """The in-flight fields of finished jobs whose delete may not have reached Redis:

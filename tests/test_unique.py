@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import signal
+from collections import deque
 
 import pytest
 import redis
@@ -178,6 +179,29 @@ def test_flush_acks_releases_too(client, r, worker):
     assert len(locks(r)) == 1
     worker.fetch.flush_acks()  # quiet and stop send acks this way
     assert locks(r) == {} and r.hlen(worker.fetch.inflight_key) == 0
+
+
+def test_an_unlock_queued_after_its_ack_was_flushed_is_still_pending(client, r, worker):
+    """A processor queues its ack, then its unlock: a flush in between (quiet's loop, on
+    another processor's wake) sends the ack alone. That loop waits for pending_acks(),
+    which counted acks only, so the lock stayed until the stop, refusing pushes."""
+    assert sync.options(client=client).enqueue(7)
+    (unit,) = worker.fetch.fetch(1)
+    (processor,) = worker.processors
+    lock = processor.process(unit)
+    fetch = worker.fetch
+
+    class FlushFirst(deque):
+        def append(self, pair):
+            fetch.flush_acks()  # the other thread's flush, between the two appends
+            super().append(pair)
+
+    fetch._unlocks = FlushFirst()
+    worker.done(unit.token, lock)
+    assert r.hlen(fetch.inflight_key) == 0 and len(locks(r)) == 1
+    assert fetch.pending_acks() == 1  # quiet's loop flushes again
+    fetch.flush_acks()
+    assert locks(r) == {}
 
 
 def test_unique_until_start_releases_before_the_run(client, r, worker):
