@@ -161,8 +161,10 @@ class ReliableFetch:
             self.recover_uncertain()
         if self._cleared:
             self.flush_acks()  # a suspect's ack and its crash count's delete go together
-        acks = self._take_acks(4000)
+        # unlocks before acks: ack() queues a job's ack before its unlock, so an unlock
+        # taken here goes with its ack (or after it), never ahead of it
         unlocks = self._take_unlocks() if self._unlocks else ()
+        acks = self._take_acks(4000)
         landed = [q for q in self.order.names if q in self._landed]
         self._landed.difference_update(landed)
         order = self.order() if want > 0 else []
@@ -343,19 +345,21 @@ class ReliableFetch:
             # another thread's claim is carrying these; deleting them twice does no harm
             self.redis.hdel(self.inflight_key, *sending)
         while self._acks or self._cleared or self._unlocks:
+            unlocks = self._take_unlocks() if self._unlocks else []  # first, as in fetch()
             batch = self._take_acks(4000)
             self._flushing = batch
             cleared = list(self._cleared)
-            unlocks = self._take_unlocks() if self._unlocks else []
             try:
                 if cleared:
                     pipe = self.redis.pipeline(transaction=True)
                     if batch:
                         pipe.hdel(self.inflight_key, *batch)
                     pipe.delete(*[keys.CRASH_PREFIX + jid for jid in cleared])
-                    if unlocks:
-                        self._release(keys=[self.inflight_key], args=[0, *unlocks], client=pipe)
                     pipe.execute()
+                    if unlocks:
+                        # after, not in the pipeline: a script there goes by SCRIPT EXISTS and
+                        # LOAD, which a Redis with SCRIPT renamed away refuses
+                        self._release(keys=[self.inflight_key], args=[0, *unlocks])
                 elif unlocks:
                     self._release(keys=[self.inflight_key], args=[len(batch), *batch, *unlocks])
                 else:

@@ -204,6 +204,30 @@ def test_an_unlock_queued_after_its_ack_was_flushed_is_still_pending(client, r, 
     assert locks(r) == {}
 
 
+def test_an_unlock_never_goes_out_before_its_jobs_ack(client, r, worker):
+    """A call took the pending acks, then a processor queued its ack and unlock, then the
+    call took the unlocks: the lock went while the job's in-flight entry stayed, and a
+    crash then would run the job again beside a new push of it."""
+    assert sync.options(client=client).enqueue(7)
+    (unit,) = worker.fetch.fetch(1)
+    (processor,) = worker.processors
+    lock = processor.process(unit)
+    fetch = worker.fetch
+    take_acks = fetch._take_acks
+
+    def interleaved(limit):
+        fetch._take_acks = take_acks
+        taken = take_acks(limit)
+        worker.done(unit.token, lock)  # the processor's thread, just after the take
+        return taken
+
+    fetch._take_acks = interleaved
+    fetch.fetch(0)
+    assert not (r.hlen(fetch.inflight_key) == 1 and locks(r) == {}), "unlock sent without its ack"
+    fetch.flush_acks()
+    assert r.hlen(fetch.inflight_key) == 0 and locks(r) == {}
+
+
 def test_unique_until_start_releases_before_the_run(client, r, worker):
     seen = []
     jobdef = forkq.jobs.lookup("unique_test.at_start")
