@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -240,7 +241,7 @@ def periodic(expression: str, job: Any, args: list | tuple = (), *, name: str | 
     declared twice with other settings, and TypeError for arguments that are not
     JSON-native."""
     from .jobs import Job
-    if "unique_for" in options or "unique_until" in options:
+    if options.get("unique_for") not in (None, False) or "unique_until" in options:
         raise CronError(f"forkq.periodic({expression!r}): unique_for is refused here: an entry "
                         "already pushes at most one job per due time")
     if isinstance(job, Job):
@@ -275,8 +276,9 @@ def periodic(expression: str, job: Any, args: list | tuple = (), *, name: str | 
         raise TypeError(f"{where}: {exc}") from None
     except ValueError as exc:
         raise CronError(f"{where}: {exc}") from None
-    if max_delay is not None and (type(max_delay) not in (int, float) or not math.isfinite(max_delay)
-                                  or max_delay <= 0):
+    # compared, not passed to math.isfinite, which raises OverflowError on an int past a float
+    if max_delay is not None and (type(max_delay) not in (int, float)
+                                  or not 0 < max_delay <= sys.float_info.max):
         raise CronError(f"{where}: max_delay must be a number of seconds above 0, or None, "
                         f"not {max_delay!r}")
     schedule = Schedule(expression, tz, where)

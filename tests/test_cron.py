@@ -132,6 +132,8 @@ def test_bad_declarations_are_refused_at_import_with_one_line(entries):
     assert "datetime" in _refusal(lambda: forkq.periodic("0 3 * * *", report, [datetime(2024, 1, 1)]))
     assert "not a job" in _refusal(lambda: forkq.periodic("0 3 * * *", plain))
     assert "max_delay" in _refusal(lambda: forkq.periodic("0 3 * * *", report, max_delay=-1))
+    # an int past a float's range: refused as the others, not an OverflowError
+    assert "max_delay" in _refusal(lambda: forkq.periodic("0 3 * * *", report, max_delay=10**400))
     assert "queue" in _refusal(lambda: forkq.periodic("0 3 * * *", report, queue=""))
     assert "retry" in _refusal(lambda: forkq.periodic("0 3 * * *", "Other", retry="5"))
     assert entries == {}  # nothing refused was registered

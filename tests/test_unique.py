@@ -335,10 +335,13 @@ def test_periodic_refuses_unique_for_and_ignores_the_jobs_own():
     with pytest.raises(cron.CronError, match="unique_for"):
         forkq.periodic("* * * * *", sync, [1], name="unique_test.cron1", unique_for=60)
     entry = forkq.periodic("* * * * *", sync, [1], name="unique_test.cron2")
+    # None means no uniqueness, as on a push: nothing to refuse
+    plain = forkq.periodic("* * * * *", "Other", name="unique_test.cron3", unique_for=None)
     try:
-        assert "unique_for" not in dict(entry.options)
+        assert "unique_for" not in dict(entry.options) and "unique_for" not in dict(plain.options)
     finally:
         cron.ENTRIES.pop("unique_test.cron2", None)
+        cron.ENTRIES.pop("unique_test.cron3", None)
 
 
 def test_fake_mode_records_every_push_without_enforcing_uniqueness():
