@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import (ConfigError, ForkqError, MalformedPayload, PartialEnqueue, RedisUnavailable,
-                     TimeLimitExceeded, UnknownJob)
+from .errors import (ConfigError, ForkqError, JobFailed, MalformedPayload, PartialEnqueue,
+                     RedisUnavailable, ResultNotReady, TimeLimitExceeded, UnknownJob, UnstorableResult)
 from .hooks import on_fork, server_middleware, slot_index
 
 if TYPE_CHECKING:
@@ -22,11 +22,13 @@ if TYPE_CHECKING:
     from .cron import CronError, periodic
     from .jobs import Job, job
     from .logs import JobFields, current_job
+    from .results import result
 
 __all__ = [
-    "Client", "ConfigError", "CronError", "ForkqError", "Job", "JobFields", "MalformedPayload", "PartialEnqueue",
-    "RedisUnavailable", "TimeLimitExceeded", "UnknownJob", "configure", "current_job", "default_client", "job", "on_fork", "periodic",
-    "server_middleware", "slot_index",
+    "Client", "ConfigError", "CronError", "ForkqError", "Job", "JobFailed", "JobFields", "MalformedPayload",
+    "PartialEnqueue", "RedisUnavailable", "ResultNotReady", "TimeLimitExceeded", "UnknownJob", "UnstorableResult",
+    "configure", "current_job", "default_client", "job", "on_fork", "periodic", "result", "server_middleware",
+    "slot_index",
 ]
 __version__ = "0.1.0"
 
@@ -34,10 +36,10 @@ __version__ = "0.1.0"
 # every `forkq` command paid before it could refuse a flag or print its --help.
 _LAZY = {"Client": "client", "configure": "client", "default_client": "client",
          "Job": "jobs", "job": "jobs", "JobFields": "logs", "current_job": "logs",
-         "CronError": "cron", "periodic": "cron"}
+         "CronError": "cron", "periodic": "cron", "result": "results"}
 # `import forkq` used to import these too, so forkq.client.connect or forkq.jobs.REGISTRY
 # worked without importing them by name
-_SUBMODULES = {"client", "jobs", "logs", "payload", "keys", "wire", "cron"}
+_SUBMODULES = {"client", "jobs", "logs", "payload", "keys", "wire", "cron", "results"}
 
 
 def __getattr__(name: str) -> Any:

@@ -49,3 +49,41 @@ class TimeLimitExceeded(BaseException):
     A BaseException, as KeyboardInterrupt is: a job's `except Exception:` (a retry loop, a
     handler that logs and carries on) must not swallow it and run on past its limit. The
     job fails with it and is retried as any failure is."""
+
+
+class ResultNotReady(ForkqError, TimeoutError):
+    """forkq.result() found no result for the job by its deadline: the job has not
+    finished, waits to retry, was pushed without keep_result, or its result expired."""
+
+    def __init__(self, message: str, jid: str) -> None:
+        super().__init__(message)
+        self.jid = jid
+
+
+class JobFailed(ForkqError):
+    """forkq.result() of a job that left for good without succeeding. `fate` says how:
+    "dead", "dropped" (retry=False, dead=False), "discarded" (a retry_in hook), "expired"
+    (not started within expires_in), "failed" (raised under forkq.testing, which has no
+    retries); `error_class` and `error_message` are its error's."""
+
+    def __init__(self, jid: str, fate: str, error_class: str, error_message: str) -> None:
+        how = _FATES.get(fate, f"failed ({fate})")
+        super().__init__(f"job {jid} {how}: {error_class}: {error_message}")
+        self.jid = jid
+        self.fate = fate
+        self.error_class = error_class
+        self.error_message = error_message
+
+
+_FATES = {"dead": "failed and went to the dead set", "dropped": "failed and was dropped",
+          "discarded": "failed and was discarded by its retry_in hook",
+          "expired": "expired before it started", "failed": "failed"}
+
+
+class UnstorableResult(ForkqError, TypeError):
+    """forkq.result() of a job that succeeded but returned a value JSON cannot carry, so
+    none was kept (the job's success stands)."""
+
+    def __init__(self, message: str, jid: str) -> None:
+        super().__init__(message)
+        self.jid = jid

@@ -170,7 +170,7 @@ def job(fn: Callable[..., Any] | None = None, *, queue: str = "default", retry: 
         name: str | None = None, backtrace: bool | int = False, retry_in: RetryIn | None = None,
         retries_exhausted: Exhausted | None = None, client: Client | None = None,
         time_limit: float | None = None, unique_for: float | None = None,
-        unique_until: str = "success", **options: Any) -> Any:
+        unique_until: str = "success", keep_result: float | None = None, **options: Any) -> Any:
     """Register a function as a job: bare `@job` or `@job(queue=..., retry=..., name=...)`.
 
     retry: True means Sidekiq's 25 attempts, False none, an int that many.
@@ -181,6 +181,9 @@ def job(fn: Callable[..., Any] | None = None, *, queue: str = "default", retry: 
     unique_for: seconds during which a push of the same (class, queue, args) is refused
     while one is pending; unique_until: "success" (the lock goes when the job succeeds or
     leaves for good) or "start" (just before it runs). See forkq.unique.
+    keep_result: seconds to keep the job's outcome in Redis once it ends (its return
+    value, or its error if it leaves without success), for forkq.result(jid). See
+    forkq.results.
     """
     payload.check_retry(retry)
     limit = _check_time_limit(time_limit)
@@ -188,6 +191,8 @@ def job(fn: Callable[..., Any] | None = None, *, queue: str = "default", retry: 
         options["unique_for"] = unique_for
     if unique_until != "success":
         options["unique_until"] = unique_until
+    if keep_result is not None:
+        options["keep_result"] = keep_result
     unique.check(options)
 
     def register(f: Callable[..., Any]) -> Job:

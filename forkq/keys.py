@@ -48,6 +48,9 @@ STAT_DAY_TTL_S = 5 * 365 * 24 * 3600
 FLUSHED_TTL_S = 3600
 
 
+# A job's kept outcome (`keep_result`): see result()
+RESULT_PREFIX = "forkq:result:"
+
 CRON_PREFIX = "forkq:cron:"
 # A periodic entry's hash outlives its last push or boot by this long: the key of an entry
 # removed from the app goes away by itself, and one that comes back after it is new again
@@ -120,3 +123,9 @@ def cron(entry_name: str) -> str:
     with). Shared by every process that runs the app: its push script compares and sets
     `pushed`, so each due time is pushed once across the fleet."""
     return CRON_PREFIX + entry_name
+
+
+def result(jid: str) -> str:
+    """A `keep_result` job's outcome: a list of one JSON element (see forkq.results),
+    expiring keep_result seconds after it was written."""
+    return RESULT_PREFIX + jid

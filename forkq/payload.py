@@ -134,9 +134,12 @@ def check_many(args_list: Iterable[Any]) -> list[list]:
 def check_options(options: dict[str, Any]) -> dict[str, Any]:
     """Return options if every value can go into a payload as it is, else raise TypeError
     naming the first that cannot: orjson would quietly write a datetime or UUID as a string,
-    and the job would carry a value of another type than the one given."""
+    and the job would carry a value of another type than the one given. expires_in and
+    keep_result are checked as numbers of seconds; keep_result=None is taken out."""
     if "expires_in" in options:
         check_expires_in(options["expires_in"])
+    if "keep_result" in options and check_keep_result(options["keep_result"]) is None:
+        del options["keep_result"]  # None: this push keeps no result
     for name, value in options.items():
         if not _native(value):
             where, bad = _first_bad(value, f"option {name!r}")
@@ -152,6 +155,24 @@ def check_expires_in(value: Any) -> float | None:
     if value is None or (type(value) in (int, float) and 0 < value <= sys.float_info.max):
         return value
     raise ValueError(f"expires_in must be a number of seconds above 0, or None, not {value!r}")
+
+
+# PEXPIRE takes milliseconds in a signed 64-bit integer; the time settings stop at 1e9 s too
+KEEP_RESULT_MAX_S = 1e9
+
+
+def check_keep_result(seconds: Any) -> float | int | None:
+    """Return a keep_result option (seconds to keep a job's result, see forkq.results) if
+    it is a number above 0 and at most 1e9, or None (no result kept); else raise
+    TypeError or ValueError."""
+    if seconds is None:
+        return None
+    if type(seconds) not in (int, float):
+        raise TypeError(f"keep_result must be a number of seconds above 0 (or None to keep no "
+                        f"result), not {seconds!r} ({type(seconds).__name__})")
+    if not (math.isfinite(seconds) and 0 < seconds <= KEEP_RESULT_MAX_S):
+        raise ValueError(f"keep_result must be a number of seconds above 0 and at most 1e9, not {seconds!r}")
+    return seconds
 
 
 def stamp_expiry(job: dict[str, Any], start: float) -> None:

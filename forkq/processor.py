@@ -11,7 +11,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import hooks, logs, payload, unique
+from . import hooks, logs, payload, results, unique
 from .errors import MalformedPayload, TimeLimitExceeded, UnknownJob
 from .fetch import Unit
 from .jobs import lookup
@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from .manager import Manager
 
 log = logs.get("forkq.processor")
+
+# what _run_limited returns for a job the watchdog gave up on
+_GIVEN_UP: Any = object()
 
 # True in a copy of a worker made by os.fork() inside job code; see guard_forks
 _in_copy = False
@@ -175,14 +178,19 @@ class Processor:
         name = job["class"]
         # the payload decides, not the local @job: another client's push is treated alike
         lock = None if job.get("unique_for") is None else self._unique_lock(job)
+        # (jid, TTL ms) of a keep_result job, read before the job may change its payload
+        keep = None if job.get("keep_result") is None else self._keep_target(job)
         expires = job.get("expires_at")
         if expires is not None and _expired(job, expires, unit.queue):
+            if keep is not None and not self._keep(keep, results.failure(
+                    "expired", "forkq.JobExpired", f"not started before its expires_at ({expires!r})")):
+                return False
             return True if lock is None else lock  # dropped unrun: acknowledged as done
         jobdef = lookup(name)
         self.current = (unit.queue, unit.raw, time.time())
         logs.set_job(job.get("jid"), payload.display_name(job), unit.queue, job)
         try:
-            acked = self._perform(unit, job, name, jobdef)
+            acked = self._perform(unit, job, name, jobdef, keep)
         finally:
             logs.clear_job()
         # counted once it ended, failed or not, as Sidekiq counts: a job cut off by a hard
@@ -205,7 +213,28 @@ class Processor:
                         "its TTL", jid=jid, lock=key, error=str(exc))
         return None
 
-    def _perform(self, unit: Unit, job: dict[str, Any], name: str, jobdef: Any) -> bool:
+    def _keep_target(self, job: dict[str, Any]) -> tuple[str, int] | None:
+        keep = results.target(job)
+        if keep is None:
+            log.warning("keep_result is not a number of seconds above 0 (or the payload has no "
+                        "jid): no result is kept", jid=job.get("jid"),
+                        keep_result=repr(job.get("keep_result"))[:100])
+        return keep
+
+    def _keep(self, keep: tuple[str, int], element: bytes | str) -> bool:
+        """Write a keep_result job's outcome before its ack is queued; False if it could not
+        be written (the job then stays in flight, unacknowledged, and runs again)."""
+        try:
+            # ridden out through an outage, as a failure's record is
+            self.manager.write(self.outcomes.keep_result, *keep, element)
+        except Exception as exc:
+            log.error("could not keep a job's result; the job stays in flight and will run again",
+                      jid=keep[0], error=f"{type(exc).__name__}: {exc}")
+            return False
+        return True
+
+    def _perform(self, unit: Unit, job: dict[str, Any], name: str, jobdef: Any,
+                 keep: tuple[str, int] | None = None) -> bool:
         started = time.perf_counter()
         if self._log_jobs:
             log.info("start")
@@ -214,10 +243,12 @@ class Processor:
                 raise UnknownJob(f"no job named {name!r} is registered in this worker "
                                  "(is its module in --require, or is a deploy rolling out?)")
             if jobdef.time_limit is None:
-                self._run(jobdef.fn, job, unit.queue)
-            elif not self._run_limited(unit, jobdef, job):
-                self.current = None
-                return False  # given up by the watchdog, which recorded its failure
+                value = self._run(jobdef.fn, job, unit.queue)
+            else:
+                value = self._run_limited(unit, jobdef, job)
+                if value is _GIVEN_UP:
+                    self.current = None
+                    return False  # given up by the watchdog, which recorded its failure
         except BaseException as exc:
             if _in_copy:
                 _leave_copy(exc)
@@ -258,22 +289,25 @@ class Processor:
         if _in_copy:
             _leave_copy(None)
         self.current = None
+        if keep is not None and not self._keep(keep, results.success(value, keep[0])):
+            return False
         if self._log_jobs:
             log.info("done", elapsed_ms=round((time.perf_counter() - started) * 1000, 2))
         return True
 
     _run = staticmethod(run_job)  # a bound method would cost a call more per job
 
-    def _run_limited(self, unit: Unit, jobdef: Any, job: dict[str, Any]) -> bool:
-        """Run a job under its time limit. False if the watchdog gave it up (and recorded
-        its failure), so that this thread, back from the call it was stuck in, records
-        nothing; otherwise as _run, raising what the job raised."""
+    def _run_limited(self, unit: Unit, jobdef: Any, job: dict[str, Any]) -> Any:
+        """Run a job under its time limit. _GIVEN_UP if the watchdog gave it up (and
+        recorded its failure), so that this thread, back from the call it was stuck in,
+        records nothing; otherwise as _run, returning what the job returned or raising
+        what it raised."""
         ident = threading.get_ident()
         try:
             try:
                 WATCHDOG.arm(ident, jobdef.time_limit, job.get("jid"),
                              functools.partial(self._give_up, unit, jobdef))
-                self._run(jobdef.fn, job, unit.queue)
+                value = self._run(jobdef.fn, job, unit.queue)
             finally:
                 WATCHDOG.disarm(ident)
         except BaseException as exc:
@@ -283,8 +317,8 @@ class Processor:
                 WATCHDOG.disarm(ident)
             if WATCHDOG.settle(ident):
                 raise
-            return False
-        return WATCHDOG.settle(ident)
+            return _GIVEN_UP
+        return value if WATCHDOG.settle(ident) else _GIVEN_UP
 
     def _give_up(self, unit: Unit, jobdef: Any, limit: float, over: float) -> None:
         """Record the failure of a job stuck past its limit in a call that cannot be
@@ -335,12 +369,13 @@ class MeteredProcessor(Processor):
 
     # the defaults bind globals once: this runs for every job, and each lookup counts
     def _perform(self, unit: Unit, job: dict[str, Any], name: str, jobdef: Any,
+                 keep: tuple[str, int] | None = None,
                  _base: Callable[..., bool] = Processor._perform,
                  _clock: Callable[[], float] = time.perf_counter) -> bool:
         failed = self.failed
         started = _clock()
         # a job cut off by a hard stop raises through here uncounted: it goes back to its queue
-        result = _base(self, unit, job, name, jobdef)
+        result = _base(self, unit, job, name, jobdef, keep)
         wrapped = job.get("wrapped")  # ActiveJob's real class, as payload.display_name
         self._observe(wrapped if type(wrapped) is str else name, unit.queue, _clock() - started,
                       self.failed != failed)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from . import keys, payload, scripts, unique
+from . import keys, payload, results, scripts, unique
 from .errors import UnknownJob
 from .fetch import writes_refused
 
@@ -169,12 +169,14 @@ class Outcomes:
 
     def to_dead(self, job: dict[str, Any], token: str | bytes | None, now: float | None = None,
                 source: str | None = None, kind: str = "hash",
-                lock: tuple[str, str] | None = None) -> None:
-        """`lock`: a unique job's (lock key, jid), released in the same call."""
+                lock: tuple[str, str] | None = None, client: Any = None) -> None:
+        """`lock`: a unique job's (lock key, jid), released in the same call. `client`: a
+        MULTI pipeline to queue the call on (see _ending)."""
         now = time.time() if now is None else now
         self._to_dead(keys=[keys.DEAD, source or self.inflight_key],
                       args=[payload.dumps(job), now, token or "", kind,
-                            now - keys.DEAD_TIMEOUT_S, keys.DEAD_MAX_JOBS, *(lock or ())])
+                            now - keys.DEAD_TIMEOUT_S, keys.DEAD_MAX_JOBS, *(lock or ())],
+                      client=client)
 
     def to_retry(self, job: dict[str, Any], token: str, at: float) -> None:
         pipe = self.redis.pipeline(transaction=True)
@@ -184,11 +186,33 @@ class Outcomes:
         if self.retry_written is not None:
             self.retry_written(at)
 
-    def drop(self, token: str, lock: tuple[str, str] | None = None) -> None:
+    def drop(self, token: str, lock: tuple[str, str] | None = None, client: Any = None) -> None:
         if lock is None:
-            self.redis.hdel(self.inflight_key, token)
+            (client or self.redis).hdel(self.inflight_key, token)
         else:
-            self._release(keys=[self.inflight_key], args=[1, token, *lock])
+            self._release(keys=[self.inflight_key], args=[1, token, *lock], client=client)
+
+    def keep_result(self, jid: str, ttl_ms: int, element: bytes | str) -> None:
+        """Write a `keep_result` job's outcome (see forkq.results): one MULTI."""
+        pipe = self.redis.pipeline(transaction=True)
+        results.queue_write(pipe, jid, ttl_ms, element)
+        pipe.execute()
+
+    def _ending(self, fate: str, write: Callable[..., None], keep: tuple[str, int] | None,
+                exc: BaseException) -> tuple[str, Callable[[str], None]]:
+        """A plan that ends a job for good; with `keep` (a keep_result job's jid and TTL),
+        its failure is kept in the same MULTI as its fate, so a reader never waits for a
+        job that has gone, nor sees a failure of one that is still in flight."""
+        if keep is None:
+            return fate, write
+        element = results.failure(fate, error_class(exc), _utf8(message(exc)[:MESSAGE_LIMIT]))
+
+        def write_with_result(token: str) -> None:
+            pipe = self.redis.pipeline(transaction=True)
+            results.queue_write(pipe, *keep, element)
+            write(token, client=pipe)
+            pipe.execute()
+        return fate, write_with_result
 
     def failed(self, job: dict[str, Any], exc: BaseException, token: str,
                jobdef: "Job | None") -> str:
@@ -224,14 +248,17 @@ class Outcomes:
             key, jid = unique.lock_of(job), job.get("jid")
             if key is not None and type(jid) is str:
                 lock = (key, jid)
-        drop = self.drop if lock is None else lambda token: self.drop(token, lock)
+        drop = self.drop if lock is None else lambda token, client=None: self.drop(token, lock, client)
+        # a keep_result job that leaves for good keeps its failure (nothing while it waits
+        # to retry); jobs without the option pay this one lookup
+        keep = None if job.get("keep_result") is None else results.target(job)
         # A class this worker does not know never ran: in a rolling deploy the new code's
         # jobs reach old workers. Its `retry: false` or `dead: false` is about failures of
         # its own code, and dropping it lost a job nobody ever ran; it goes to dead, where
         # a retry sends it back once a worker that knows it runs.
         unknown = isinstance(exc, UnknownJob)
         if retry_option(job, jobdef) is False and not unknown:
-            return "dropped", drop
+            return self._ending("dropped", drop, keep, exc)
         record_failure(job, exc, now)
         # Before the retry-or-dead decision, as Sidekiq's JobRetry does: a dead entry names
         # the retry queue too, so Sidekiq's (or forkq's) "Retry" of a dead job sends it
@@ -245,7 +272,7 @@ class Outcomes:
         if not (count >= limit if over is None else over):
             decision = self._decide(jobdef, count, exc)
             if decision == "discard":
-                return "discarded", drop
+                return self._ending("discarded", drop, keep, exc)
             if decision != "kill":
                 at = now + min(decision, MAX_DELAY_S)
                 return "retry", lambda token: self.to_retry(job, token, at)
@@ -257,8 +284,9 @@ class Outcomes:
                 # the job stuck in flight, as a job's own would; see Processor._perform)
                 pass
         if job.get("dead") is False and not unknown:
-            return "dropped", drop
-        return "dead", lambda token: self.to_dead(job, token, now, lock=lock)
+            return self._ending("dropped", drop, keep, exc)
+        return self._ending("dead", lambda token, client=None: self.to_dead(job, token, now, lock=lock,
+                                                                           client=client), keep, exc)
 
     @staticmethod
     def _decide(jobdef: "Job | None", count: int, exc: BaseException) -> float | str:

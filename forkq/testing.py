@@ -18,6 +18,8 @@ middleware runs, and the payload is encoded to Sidekiq's JSON and decoded again,
 gets its own copy of what a worker would get. A job runs through the registered server
 middleware, in the calling thread, and its exception reaches the test: there is no retry.
 The mode holds for the whole process (every Client, every thread) until the `with` ends.
+A job pushed with keep_result keeps its outcome in memory when it runs here, and
+`forkq.result(jid)` reads it there while the mode is on.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from . import client, logs, payload
+from . import client, logs, payload, results
 from .errors import UnknownJob
 from .jobs import Job, lookup
 from .processor import run_job
+from .retry import error_class, message
 
 _lock = threading.Lock()
 
@@ -108,10 +111,17 @@ def _run(job: dict[str, Any]) -> None:
     # inline, a job's push runs the next job inside it: the outer one is current again after
     outer = getattr(logs._job, "current", None)
     logs.set_job(entry.get("jid"), payload.display_name(entry), entry["queue"], entry)
+    keep = None if entry.get("keep_result") is None else results.target(entry)
     try:
-        run_job(jobdef.fn, entry, entry["queue"])
+        value = run_job(jobdef.fn, entry, entry["queue"])
+    except BaseException as exc:
+        if keep is not None:  # no retry here: the job has left for good
+            results.remember(keep[0], results.failure("failed", error_class(exc), message(exc)))
+        raise
     finally:
         logs._job.current = outer
+    if keep is not None:
+        results.remember(keep[0], results.success(value, keep[0]))
 
 
 def _pushed(commands: list[tuple]) -> list[tuple[dict[str, Any], float | None]]:
@@ -154,9 +164,11 @@ def inline() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _mode(push: client.TestPush) -> Iterator[None]:
-    previous = client.test_push
+    previous, kept = client.test_push, results._memory
     client.test_push = push
+    results._memory = {} if kept is None else kept  # a mode inside another shares its results
     try:
         yield
     finally:
         client.test_push = previous
+        results._memory = kept
