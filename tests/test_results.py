@@ -28,6 +28,11 @@ def compute(a: int, b: int) -> tuple:
     return a + b, 2 ** 70, "naïve"  # a tuple comes back as a list; a bignum and UTF-8 intact
 
 
+@forkq.job(queue="rq", keep_result=60, time_limit=30, name="results_test.limited")
+def limited(a: int) -> int:
+    return a * 2  # run under the watchdog: its value comes back through another path
+
+
 @forkq.job(queue="rq", name="results_test.plain")
 def plain(a: int) -> int:
     return a
@@ -113,6 +118,12 @@ def test_a_success_keeps_the_value_readable_many_times_with_its_ttl(client, r, w
     assert r.llen(key) == 1 and 59_000 < r.pttl(key) <= 60_000  # reading kept both
     worker.fetch.fetch(0)
     assert r.hlen(worker.fetch.inflight_key) == 0
+
+
+def test_a_job_with_a_time_limit_keeps_its_value_too(client, r, worker):
+    jid = limited.options(client=client).enqueue(21)
+    run_one(worker)
+    assert forkq.result(jid, client=client) == 42
 
 
 def test_jobs_without_keep_result_keep_nothing(client, r, worker):
