@@ -355,6 +355,23 @@ def test_scripts_run_on_a_redis_without_the_script_command(tmp_path):
         assert _tracebacks(tmp_path) == []
 
 
+@pytest.mark.timeout(30)
+def test_a_script_queued_on_a_pipeline_runs_on_a_redis_without_the_script_command():
+    """Queued on a MULTI (a kept result's write beside its job's dead entry, an admin
+    kill), redis-py's Script sent SCRIPT EXISTS and LOAD before the pipeline, which such a
+    Redis refuses: that outcome write failed at every try."""
+    from forkq import scripts
+    with _NoScriptCommand() as server:
+        conn = server.client()
+        conn.hset("inflight", "1", "x")
+        release = scripts.load(conn, "release")
+        pipe = conn.pipeline(transaction=True)
+        pipe.set("before", 1)
+        release(keys=["inflight"], args=[1, "1"], client=pipe)
+        assert pipe.execute() == [True, 1]
+        assert conn.hlen("inflight") == 0
+
+
 def _denied(conn, command: str) -> int:
     return sum(int(e["count"]) for e in conn.acl_log() if e["object"] == command)
 

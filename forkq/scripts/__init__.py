@@ -36,10 +36,12 @@ class _Script(Script):
     def __call__(self, keys: Sequence[Any] | None = None, args: Iterable[Any] | None = None,
                  client: Any = None) -> Any:
         client = self.registered_client if client is None else client
-        if isinstance(client, Pipeline):
-            return super().__call__(keys, args, client)  # loaded before the pipeline runs
         keys = list(keys or [])
         argv = (*keys, *(args or []))
+        if isinstance(client, Pipeline):
+            # the body itself: redis-py would queue EVALSHA and send SCRIPT EXISTS and LOAD
+            # before the pipeline, which the Redis described above refuses too
+            return client.eval(self.script, len(keys), *argv)
         try:
             return client.evalsha(self.sha, len(keys), *argv)
         except redis.exceptions.NoScriptError:
