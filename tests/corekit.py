@@ -6,6 +6,8 @@
     workers              fixture: start(...) real `forkq start --no-fork` subprocesses,
                          each SIGKILLed at teardown if still alive
     UnixSocketRedis      a RedisServer that also listens on a unix socket
+    hand_driven(url, queue, identity)  a registered Manager on one queue, not started,
+                         whose one processor run_one(manager) drives in the test's thread
     records(r, kind)     what the jobs wrote to core:ran
     wait_records(...)    poll core:ran, failing early (with the log) if a worker died
 
@@ -25,9 +27,12 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 import forkq
 import forkq.client
+from forkq.manager import Manager
+from forkq.queues import QueueOrder
 from helpers import ForkqWorker, RedisServer, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -189,3 +194,23 @@ def wait_zset(r, key, count, *workers_, timeout=10.0):
 def queued(r, queue="default"):
     """Jobs on queue:NAME, the next to run first."""
     return [json.loads(raw) for raw in reversed(r.lrange(f"queue:{queue}", 0, -1))]
+
+
+def hand_driven(url: str, queue: str, identity: str) -> Manager:
+    """A Manager on `queue` with one processor, registered but not started: run_one()
+    drives it by hand. Close it with manager.fetch.close()."""
+    manager = Manager(lambda: redis.Redis.from_url(url), identity, QueueOrder([(queue, 0)]),
+                      concurrency=1)
+    manager.fetch.register()
+    return manager
+
+
+def run_one(manager: Manager) -> None:
+    """Claim one job and run it as a processor thread does (Processor._serve's body)."""
+    (unit,) = manager.fetch.fetch(1)
+    (processor,) = manager.processors
+    acked = processor.process(unit)
+    if acked.__class__ is bool:
+        manager.done(unit.token if acked else None)
+    else:
+        manager.done(unit.token, acked)

@@ -17,9 +17,7 @@ import redis
 
 import forkq
 from forkq import testing
-from forkq.manager import Manager
-from forkq.queues import QueueOrder
-from corekit import core_jobs, forkq_client, workers  # noqa: F401 (fixtures)
+from corekit import core_jobs, forkq_client, hand_driven, run_one, workers  # noqa: F401 (fixtures)
 from helpers import wait_until
 
 
@@ -81,22 +79,10 @@ def client(redis_url):
 @pytest.fixture
 def worker(redis_url, r):
     """A Manager on queue rq, not started: run_one() drives its one processor."""
-    manager = Manager(lambda: redis.Redis.from_url(redis_url), "test:1:000000000001",
-                      QueueOrder([("rq", 0)]), concurrency=1)
-    manager.fetch.register()
+    manager = hand_driven(redis_url, "rq", "test:1:000000000001")
     yield manager
     manager.fetch.close()
 
-
-def run_one(manager: Manager) -> None:
-    """Claim one job and run it as a processor thread does (Processor._serve's body)."""
-    (unit,) = manager.fetch.fetch(1)
-    (processor,) = manager.processors
-    acked = processor.process(unit)
-    if acked.__class__ is bool:
-        manager.done(unit.token if acked else None)
-    else:
-        manager.done(unit.token, acked)
 
 
 def result_keys(r) -> list[bytes]:

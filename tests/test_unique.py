@@ -18,8 +18,7 @@ import redis
 
 import forkq
 from forkq import testing
-from forkq.manager import Manager
-from forkq.queues import QueueOrder
+from corekit import hand_driven, run_one
 from helpers import wait_until
 from test_supervisor import sup_events, start_master, wait_event  # noqa: F401 (a fixture)
 
@@ -62,22 +61,10 @@ def client(redis_url):
 @pytest.fixture
 def worker(redis_url, r):
     """A Manager on queue uq, not started: run_one() drives its one processor."""
-    manager = Manager(lambda: redis.Redis.from_url(redis_url), "test:1:000000000000",
-                      QueueOrder([("uq", 0)]), concurrency=1)
-    manager.fetch.register()
+    manager = hand_driven(redis_url, "uq", "test:1:000000000000")
     yield manager
     manager.fetch.close()
 
-
-def run_one(manager: Manager) -> None:
-    """Claim one job and run it as a processor thread does (Processor._serve's body)."""
-    (unit,) = manager.fetch.fetch(1)
-    (processor,) = manager.processors
-    acked = processor.process(unit)
-    if acked.__class__ is bool:
-        manager.done(unit.token if acked else None)
-    else:
-        manager.done(unit.token, acked)
 
 
 def lock_key(name: str, queue: str, args: list) -> str:
