@@ -169,42 +169,58 @@ def test_a_forkq_elsewhere_is_not_taken_for_dead_when_a_full_redis_takes_writes_
         r.close()
 
 
-@pytest.mark.timeout(90)
+OTHER_SHORT = "elsewhere:4243:0123456789ab"  # another forkq there, with a short lease
+
+
+@pytest.mark.timeout(60)
 def test_an_owner_that_beats_less_often_than_we_wait_after_a_refusal_keeps_its_jobs(own_redis, tmp_path):
     """After a refusal (or an outage) the master waited its own recovery delay and beat
     before judging, then read the silence of the refusal itself as death: another forkq
-    beating every 3 s (a 9 s lease) that the refusal kept silent for 10 s had its running
+    beating every 1.5 s (a 4.5 s lease) that the refusal kept silent for 5 s had its running
     job taken before its next beat. Silence counts from when Redis took writes again."""
     r = own_redis.client()
     log_path = tmp_path / "master.log"
-    master = _start_master(own_redis, tmp_path, "1", "0.5")
-    running = _register_other(r, 3, "j-slow")
+    # settled (delay + beat, 0.9 s) by its second sweep after the refusal, a second apart
+    master = _start_master(own_redis, tmp_path, "0.6", "0.3")
+    running = _register_other(r, 1.5, "j-slow")
 
     try:
         r.hset(OTHER, "beat", time.time())
         wait_until(lambda: master.poll() is None and _sweeps(r) >= 2, timeout=20,
                    message="the master sweeping")
+        # a second owner, silent from now on, whose lease (the master's 0.6 s delay) ends
+        # long before the refusal does: its recovery shows the master judging again
+        r.hset(keys.OWNERS, OTHER_SHORT, json.dumps({
+            "queues": ["short"], "host": "elsewhere", "pid": 4243, "master": "elsewhere:4241:x",
+            "started_at": time.time(), "heartbeat_interval": 0.1}))
+        r.hset(keys.inflight(OTHER_SHORT), "1\nshort", json.dumps({"class": "orphan.work",
+                                                                    "args": ["short", 30], "jid": "j-short"}))
         r.config_set("maxmemory", "1")
         refused_from = time.monotonic()
-        wait_until(lambda: time.monotonic() - refused_from > 10, timeout=20, interval=0.2,
-                   message="a refusal longer than the owner's 9 s lease")
+        wait_until(lambda: time.monotonic() - refused_from > 5, timeout=20, interval=0.2,
+                   message="a refusal longer than the owner's 4.5 s lease")
         r.config_set("maxmemory", "0")
-        back = time.monotonic()
-        # the master settles 1.5 s after the refusal and sweeps each second; the owner's
-        # next beat is due within its 3 s interval: keep to its pace and watch its job
-        next_beat = back + 2.9
-        while time.monotonic() < back + 8:
+
+        def judged_again():
+            # the live owner's next beat is due within its 1.5 s, but it may not have come
+            # yet: the sweep that recovers the silent one must leave the live one's job be
             assert r.hget(keys.inflight(OTHER), "1\ndefault") == running.encode(), \
                 "the live owner's running job was taken from it"
             assert master.poll() is None
-            if time.monotonic() >= next_beat:
-                r.hset(OTHER, "beat", time.time())
-                next_beat += 3
+            return r.llen(keys.suspects("short")) == 1
+        wait_until(judged_again, timeout=20, message="the silent owner's job recovered as a suspect")
+        r.hset(OTHER, "beat", time.time())
+        done = _sweeps(r)
+        while _sweeps(r) < done + 2:  # two more sweeps, well inside its lease
+            assert r.hget(keys.inflight(OTHER), "1\ndefault") == running.encode(), \
+                "the live owner's running job was taken from it"
+            assert master.poll() is None
             time.sleep(0.1)  # the pace of the watch, not a synchronisation
-        assert "recovered a dead process's jobs" not in log_path.read_text()
-        # and an owner that stays silent past its lease is still recovered
+        assert r.llen(keys.suspects("default")) == 0
+        assert "recovered a dead process's jobs" in log_path.read_text()  # the short one's
+        # and the same owner, once silent past its lease, is still recovered
         r.hdel(OTHER, "beat")
-        _register_other(r, 3, "j-slow", started_at=time.time() - 60)
+        _register_other(r, 1.5, "j-slow", started_at=time.time() - 60)
         wait_until(lambda: r.llen(keys.suspects("default")) == 1, timeout=20,
                    message="the silent owner's job recovered as a suspect")
     finally:
