@@ -204,7 +204,8 @@ def test_a_heartbeat_whose_reply_is_lost_counts_its_jobs_once(own_redis, monkeyp
     url = f"redis://127.0.0.1:{cutter.port}/0"
     monkeypatch.setenv("FORKQ_REDIS_URL", url)
     r = own_redis.client()
-    worker = ForkqWorker(url, APP, concurrency=CONCURRENCY, extra_args=["--heartbeat-interval", "2"])
+    # beats 1.2 s apart: the 500 jobs below take some 0.2 s, so all of them end between two
+    worker = ForkqWorker(url, APP, concurrency=CONCURRENCY, extra_args=["--heartbeat-interval", "1.2"])
     try:
         with worker:
             def beat() -> float:
@@ -221,7 +222,7 @@ def test_a_heartbeat_whose_reply_is_lost_counts_its_jobs_once(own_redis, monkeyp
             assert cutter.cut.wait(10), worker.log_tail()
             wait_until(lambda: stat(r, "processed") >= 500, timeout=10, message=worker.log_tail())
             # another beat (the same totals sent again) must add nothing; so must the stop's
-            wait_until(lambda: beat() > fresh + 2.5, timeout=15, message=worker.log_tail())
+            wait_until(lambda: beat() > fresh + 1.8, timeout=15, message=worker.log_tail())
         assert (stat(r, "processed"), stat(r, "failed")) == (500, 50)
         assert day_stat(r, "processed", {today()}) == 500
     finally:
