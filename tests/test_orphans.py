@@ -205,10 +205,11 @@ def test_live_processes_are_not_swept_after_a_redis_outage_longer_than_the_delay
     b = Instance(url, tmp_path, "b", "--processes", "1", "--concurrency", "2", "--recovery-delay", "2")
     try:
         wait_until(lambda: r.hlen(keys.OWNERS) == 2, timeout=20, message="both registered")
-        forkq.Client(url).push_bulk("orphan.work", [[f"j{i}", 8] for i in range(4)])
+        # running through the outage and a few sweeps (one a second) after it
+        forkq.Client(url).push_bulk("orphan.work", [[f"j{i}", 6] for i in range(4)])
         wait_until(lambda: _held(r) == 4, timeout=10, message="all four jobs held")
         own_redis.pause()
-        time.sleep(4)  # the outage itself: longer than the 2 s recovery delay
+        time.sleep(3)  # the outage itself: longer than the 2 s recovery delay
         own_redis.resume()
         wait_until(lambda: r.llen("orphan:ran") == 4, timeout=40, message="all four jobs ran")
         ran = [x.decode().split(":")[0] for x in r.lrange("orphan:ran", 0, -1)]
