@@ -64,6 +64,31 @@ def stop_gracefully(proc: subprocess.Popen, timeout: float = 40) -> int:
     return proc.returncode
 
 
+# Where forkq holds its stop-time constants: settings defines them, the others import them
+# by name, so each module's copy is set
+_CONSTANT_MODULES = ("forkq.settings", "forkq.manager", "forkq.worker", "forkq.supervisor")
+
+
+def forkq_command(*args: str, constants: dict[str, float] | None = None) -> list[str]:
+    """The argv of `python -m forkq ARGS`. With `constants` ({"STOP_PATIENCE_S": 1.5}),
+    of the same CLI run after those module constants are set wherever forkq holds them:
+    a monkeypatch of that process (its children are forked from it and keep them), for
+    tests whose time goes into waiting out a constant that no option sets."""
+    if not constants:
+        return [sys.executable, "-m", "forkq", *args]
+    code = (
+        "import importlib, sys\n"
+        f"mods = [importlib.import_module(m) for m in {_CONSTANT_MODULES!r}]\n"
+        f"for name, value in {constants!r}.items():\n"
+        "    held = [m for m in mods if hasattr(m, name)]\n"
+        "    assert held, f'no forkq module holds {name}'\n"
+        "    for m in held:\n"
+        "        setattr(m, name, value)\n"
+        "from forkq.cli import main\n"
+        "sys.exit(main())\n")
+    return [sys.executable, "-c", code, *args]
+
+
 def json_lines(path) -> list[dict]:
     """The JSON lines of a log file (`--log-format json`), skipping any other line."""
     out = []
