@@ -18,7 +18,7 @@ import pytest
 import forkq
 from forkq import keys
 from forkq.settings import STOP_GRACE_S
-from helpers import json_lines, stop_gracefully, wait_until
+from helpers import forkq_command, json_lines, stop_gracefully, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "tests" / "apps" / "chaos_jobs.py"
@@ -128,18 +128,19 @@ def test_boot_warns_when_redis_may_evict_jobs(own_redis, tmp_path):
 STOP_TIMEOUT = 0.5  # --timeout of the stop tests: their 30 s jobs are cut off either way
 
 
-def _stop_with_redis_away(own_redis, tmp_path: Path, away,
-                          processes: int = 1) -> tuple[list[dict], float, list[str]]:
+def _stop_with_redis_away(own_redis, tmp_path: Path, away, processes: int = 1,
+                          constants: dict[str, float] | None = None) -> tuple[list[dict], float, list[str]]:
     """Supervised children holding two 30 s jobs each, --timeout 0.5; `away` takes Redis
     away, then the master gets SIGTERM. The master's events, seconds until it exited 0,
-    the children's identities."""
+    the children's identities. `constants`: forkq's stop-time constants to run with."""
     r = own_redis.client()
     env = dict(os.environ, FORKQ_REDIS_URL=own_redis.url, PYTHONPATH=str(REPO))
     log = tmp_path / "log"
     master = subprocess.Popen(
-        [sys.executable, "-m", "forkq", "start", "--require", str(REPO / "tests" / "apps" / "orphan_jobs.py"),
-         "--processes", str(processes), "--concurrency", "2", "--timeout", str(STOP_TIMEOUT),
-         "--heartbeat-interval", "0.5", "--log-format", "json", "--pidfile", str(tmp_path / "pid")],
+        forkq_command("start", "--require", str(REPO / "tests" / "apps" / "orphan_jobs.py"),
+                      "--processes", str(processes), "--concurrency", "2", "--timeout", str(STOP_TIMEOUT),
+                      "--heartbeat-interval", "0.5", "--log-format", "json", "--pidfile", str(tmp_path / "pid"),
+                      constants=constants),
         env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_until(lambda: r.hlen(keys.OWNERS) == processes, timeout=20, message="children registered")
@@ -163,8 +164,11 @@ def _stop_with_redis_away(own_redis, tmp_path: Path, away,
 def test_a_child_stopping_with_redis_down_gives_up_in_time_and_keeps_its_jobs(own_redis, tmp_path):
     """Its stop-time writes share one wait for Redis, so the child ends by itself inside
     --timeout plus the grace (each used to wait on its own, and the master killed it), and
-    the jobs it could not put back stay in its in-flight hash for recovery."""
-    events, _, (identity,) = _stop_with_redis_away(own_redis, tmp_path, own_redis.stop)
+    the jobs it could not put back stay in its in-flight hash for recovery. With a 1.5 s
+    STOP_PATIENCE_S, not 4: the child's shared wait and the master's final pass are the
+    test's time, and each write waiting on its own still overruns the grace."""
+    events, _, (identity,) = _stop_with_redis_away(own_redis, tmp_path, own_redis.stop,
+                                                   constants={"STOP_PATIENCE_S": 1.5})
     names = [e.get("event") for e in events]
     exited = [e for e in events if e.get("event") == "child exited"]
     assert [e["how"] for e in exited] == ["exit 0"]
@@ -182,11 +186,13 @@ def test_a_frozen_redis_at_stop_holds_the_master_for_seconds_not_minutes(own_red
     """SIGSTOPped Redis: every try takes the 5 s socket timeout. The child is killed at
     --timeout plus the grace, and the master's final requeue gives up after its patience
     instead of twenty tries (over 100 s), leaving the jobs in the child's hash. Three
-    children reaped one after another cost one try between them, not one each."""
-    events, took, identities = _stop_with_redis_away(own_redis, tmp_path, own_redis.pause, processes=3)
-    # the children's kill at 0.5 + 5 s, one try as the first is reaped, the final pass:
-    # about 15 s (a try per child reaped made it 25)
-    assert took < 22, f"the master took {took:.1f}s to exit"
+    children reaped one after another cost one try between them, not one each. With a
+    2 s STOP_GRACE_S, not 5: waiting for the kill shows nothing more."""
+    events, took, identities = _stop_with_redis_away(own_redis, tmp_path, own_redis.pause, processes=3,
+                                                     constants={"STOP_GRACE_S": 2.0})
+    # the children's kill at 0.5 + 2 s, one try as the first is reaped, the final pass:
+    # about 12.5 s (a try per child reaped made it 22.5)
+    assert took < 19, f"the master took {took:.1f}s to exit"
     assert any("stay in their private lists" in (e.get("event") or "") for e in events)
     own_redis.resume()
     r = own_redis.client()
@@ -211,10 +217,12 @@ def test_jobs_a_child_finished_while_redis_was_frozen_past_the_grace_do_not_run_
     r = own_redis.client()
     total = 3000
     forkq.Client(own_redis.url).push_bulk("file.record", [[i] for i in range(total)], queue="file")
+    # a 2 s STOP_GRACE_S, not 5: the child is stuck in Redis calls until it is killed either way
     master = subprocess.Popen(
-        [sys.executable, "-m", "forkq", "start", "--require", str(REPO / "tests" / "apps" / "file_jobs.py"),
-         "--queue", "file", "--processes", "1", "--concurrency", "10", "--timeout", str(STOP_TIMEOUT),
-         "--log-format", "json", "--pidfile", str(tmp_path / "pid")],
+        forkq_command("start", "--require", str(REPO / "tests" / "apps" / "file_jobs.py"),
+                      "--queue", "file", "--processes", "1", "--concurrency", "10", "--timeout", str(STOP_TIMEOUT),
+                      "--log-format", "json", "--pidfile", str(tmp_path / "pid"),
+                      constants={"STOP_GRACE_S": 2.0}),
         env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_until(lambda: runs.exists() and runs.stat().st_size > 1000, timeout=30,
