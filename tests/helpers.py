@@ -64,9 +64,9 @@ def stop_gracefully(proc: subprocess.Popen, timeout: float = 40) -> int:
     return proc.returncode
 
 
-# Where forkq holds its stop-time constants: settings defines them, the others import them
-# by name, so each module's copy is set
-_CONSTANT_MODULES = ("forkq.settings", "forkq.manager", "forkq.worker", "forkq.supervisor")
+# Where forkq holds the constants tests set: settings defines the stop-time ones, and the
+# modules that import them by name have copies of their own, each set too
+_CONSTANT_MODULES = ("forkq.settings", "forkq.manager", "forkq.worker", "forkq.supervisor", "forkq.metrics")
 
 
 def forkq_command(*args: str, constants: dict[str, float] | None = None) -> list[str]:

@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 import forkq
-from helpers import free_port, wait_until
+from helpers import forkq_command, free_port, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 APPS = Path(__file__).resolve().parent / "apps"
@@ -67,14 +67,16 @@ def _pid_gone(pid: int) -> bool:
 
 class Master:
     def __init__(self, url: str, workdir: Path, *, processes: int = 2, concurrency: int = 1,
-                 args: tuple | list = (), app: Path = JOBS_APP, env: dict | None = None) -> None:
+                 args: tuple | list = (), app: Path = JOBS_APP, env: dict | None = None,
+                 constants: dict[str, float] | None = None) -> None:
         self.url = url
         self.env = env or {}
         self.workdir = workdir
         self.processes = processes
-        self.cmd = [sys.executable, "-m", "forkq", "start", "--require", str(app),
-                    "--processes", str(processes), "--concurrency", str(concurrency),
-                    "--log-format", "json", *map(str, args)]
+        # constants: forkq module constants to run with (helpers.forkq_command)
+        self.cmd = forkq_command("start", "--require", str(app),
+                                 "--processes", str(processes), "--concurrency", str(concurrency),
+                                 "--log-format", "json", *map(str, args), constants=constants)
         self.log_path = workdir / "master.log"
         self.err_path = workdir / "master.err"
         self.proc: subprocess.Popen | None = None
