@@ -13,7 +13,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -28,7 +27,7 @@ import forkq
 from forkq import keys
 from forkq.fetch import ReliableFetch, Waiters
 from forkq.queues import QueueOrder
-from helpers import CommandHolder, RedisServer, json_lines, stop_gracefully, wait_until
+from helpers import CommandHolder, RedisServer, forkq_command, json_lines, stop_gracefully, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "tests" / "apps" / "chaos_jobs.py"
@@ -36,12 +35,13 @@ OPS_APP = REPO / "tests" / "apps" / "redisops_jobs.py"
 
 
 def _start(url: str, tmp: Path, *args: str, app: Path = APP, queue: str = "chaos",
-           concurrency: int = 5, log: str = "log", env: dict[str, str] | None = None) -> subprocess.Popen:
+           concurrency: int = 5, log: str = "log", env: dict[str, str] | None = None,
+           constants: dict[str, float] | None = None) -> subprocess.Popen:
     env = dict(os.environ, FORKQ_REDIS_URL=url, PYTHONPATH=str(REPO), **(env or {}))
     return subprocess.Popen(
-        [sys.executable, "-m", "forkq", "start", "--require", str(app), "--queue", queue,
-         "--processes", "2", "--concurrency", str(concurrency), "--heartbeat-interval", "0.5",
-         "--log-format", "json", "--pidfile", str(tmp / f"{log}.pid"), *args],
+        forkq_command("start", "--require", str(app), "--queue", queue,
+                      "--processes", "2", "--concurrency", str(concurrency), "--heartbeat-interval", "0.5",
+                      "--log-format", "json", "--pidfile", str(tmp / f"{log}.pid"), *args, constants=constants),
         env=env, cwd=REPO, stdout=open(tmp / log, "w"), stderr=subprocess.STDOUT,
         start_new_session=True)
 
@@ -240,12 +240,12 @@ def test_a_stop_ends_a_blocking_wait_that_reached_redis_just_after_its_unblock(o
         admin.close()
 
 
-def _held_jobs(own_redis, r, tmp: Path, n: int) -> subprocess.Popen:
+def _held_jobs(own_redis, r, tmp: Path, n: int, constants: dict[str, float] | None = None) -> subprocess.Popen:
     """A master with two children holding `n` ops.hold jobs in flight (they wait on ops:hold,
     kept in `r`, the shared server, out of reach of what is done to own_redis)."""
     r.set("ops:hold", 1)
     master = _start(own_redis.url, tmp, "--timeout", "0.5", app=OPS_APP, queue="ops",
-                    concurrency=2, env={"OPS_RECORD_URL": _url(r)})
+                    concurrency=2, env={"OPS_RECORD_URL": _url(r)}, constants=constants)
     conn = own_redis.client()
     try:
         wait_until(lambda: conn.hlen(keys.OWNERS) == 2, timeout=20, message="children registered")
@@ -276,7 +276,8 @@ def test_a_stop_while_redis_answers_busy_exits_0_and_loses_nothing(own_redis, r,
     the master's requeue of its children (exit 1, the other children left running on their
     own). Now each write it cannot make is one line, the master exits 0, and the jobs stay
     in the children's private hashes, where the next forkq recovers them."""
-    master = _held_jobs(own_redis, r, tmp_path, 4)
+    # the stop waits out STOP_PATIENCE_S in the master's final requeue: 1.5 s, not 4
+    master = _held_jobs(own_redis, r, tmp_path, 4, constants={"STOP_PATIENCE_S": 1.5})
     try:
         with _busy(own_redis):
             master.send_signal(signal.SIGTERM)
