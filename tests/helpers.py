@@ -70,10 +70,10 @@ _CONSTANT_MODULES = ("forkq.settings", "forkq.manager", "forkq.worker", "forkq.s
 
 
 def forkq_command(*args: str, constants: dict[str, float] | None = None) -> list[str]:
-    """The argv of `python -m forkq ARGS`. With `constants` ({"STOP_PATIENCE_S": 1.5}),
-    of the same CLI run after those module constants are set wherever forkq holds them:
-    a monkeypatch of that process (its children are forked from it and keep them), for
-    tests whose time goes into waiting out a constant that no option sets."""
+    """The argv that runs `python -m forkq ARGS`; with `constants` ({"STOP_PATIENCE_S": 1.5}),
+    one that runs the same CLI after setting those module constants wherever forkq holds
+    them: a monkeypatch of that process (its children are forked from it and keep them),
+    for tests whose time goes into waiting out a constant that no option sets."""
     if not constants:
         return [sys.executable, "-m", "forkq", *args]
     code = (
