@@ -66,7 +66,8 @@ def stop_gracefully(proc: subprocess.Popen, timeout: float = 40) -> int:
 
 # Where forkq holds the constants tests set: settings defines the stop-time ones, and the
 # modules that import them by name have copies of their own, each set too
-_CONSTANT_MODULES = ("forkq.settings", "forkq.manager", "forkq.worker", "forkq.supervisor", "forkq.metrics")
+_CONSTANT_MODULES = ("forkq.settings", "forkq.manager", "forkq.worker", "forkq.supervisor", "forkq.metrics",
+                     "forkq.cli")
 
 
 def forkq_command(*args: str, constants: dict[str, float] | None = None) -> list[str]:
@@ -659,21 +660,21 @@ class ForkqWorker(_LoggedProcess):
     stop_timeout = 30.0
 
     def __init__(self, url, require, queues=("default",), concurrency=2, extra_args=(),
-                 log_path=None):
+                 log_path=None, constants=None):
         self.url = url
         self.require = str(require)
         self.queues = list(queues)
         self.concurrency = concurrency
         self.extra_args = list(extra_args)
+        self.constants = constants  # forkq module constants to run with (forkq_command)
         self.log_path, self._own_log = _log_file(log_path, "forkq-")
         self.proc = None
 
     def command(self):
-        cmd = [sys.executable, "-m", "forkq", "start", "--no-fork",
-               "--require", self.require, "--concurrency", str(self.concurrency)]
+        args = ["start", "--no-fork", "--require", self.require, "--concurrency", str(self.concurrency)]
         for queue in self.queues:
-            cmd += ["--queue", queue]
-        return cmd + self.extra_args
+            args += ["--queue", queue]
+        return forkq_command(*args, *self.extra_args, constants=self.constants)
 
     def start(self):
         env = dict(os.environ)

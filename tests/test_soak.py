@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import forkq
-from helpers import ForkqWorker, json_lines, wait_until
+from helpers import ForkqWorker, forkq_command, json_lines, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 APP = REPO_ROOT / "tests" / "apps" / "soak_jobs.py"
@@ -39,11 +38,13 @@ def test_a_no_fork_worker_exits_after_its_stop_though_jobs_left_things_running(r
     # on a module-level executor, a multiprocessing child. The worker's stop is done in
     # milliseconds (nothing in flight); the interpreter's exit then waited for that work,
     # with TERM and INT still trapped, so only a SIGKILL ended the process. (One worker
-    # for the three: each alone hung the exit, and each waits out the same 2 s grace.)
+    # for the three: each alone hung the exit, and each waits out the same grace, here
+    # EXIT_GRACE_S 0.5 rather than 2.)
     log = Path(tempfile.mkdtemp(prefix="forkq-soak-")) / "worker.log"
     kinds = ["thread", "executor", "process"]
     with ForkqWorker(redis_url, APP, concurrency=2, log_path=log,
-                     extra_args=["--timeout", "2", "--log-format", "json"]) as worker:
+                     extra_args=["--timeout", "2", "--log-format", "json"],
+                     constants={"EXIT_GRACE_S": 0.5}) as worker:
         wait_until(lambda: worker.assert_alive() or r.scard("processes"), timeout=15,
                    message="the worker's heartbeat")
         for what in kinds:
@@ -73,9 +74,11 @@ def test_a_master_exits_after_its_stop_though_the_app_runs_a_thread_of_its_own(r
     env = dict(os.environ, FORKQ_REDIS_URL=redis_url, SOAK_LINGER_AT_IMPORT="60",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
     with open(out, "wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "forkq", "start", "--require", str(APP),
-                                 "--processes", "1", "--concurrency", "1", "--timeout", "2",
-                                 "--log-format", "json", "--pidfile", str(tmp_path / "forkq.pid")],
+        # the exit waits out EXIT_GRACE_S: 0.5 s here, not 2
+        proc = subprocess.Popen(forkq_command("start", "--require", str(APP),
+                                              "--processes", "1", "--concurrency", "1", "--timeout", "2",
+                                              "--log-format", "json", "--pidfile", str(tmp_path / "forkq.pid"),
+                                              constants={"EXIT_GRACE_S": 0.5}),
                                 env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=sink,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
