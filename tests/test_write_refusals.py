@@ -211,11 +211,13 @@ def test_an_owner_that_beats_less_often_than_we_wait_after_a_refusal_keeps_its_j
         wait_until(judged_again, timeout=20, message="the silent owner's job recovered as a suspect")
         r.hset(OTHER, "beat", time.time())
         done = _sweeps(r)
-        while _sweeps(r) < done + 2:  # two more sweeps, well inside its lease
+
+        def kept_through_two_more_sweeps():  # well inside its lease
             assert r.hget(keys.inflight(OTHER), "1\ndefault") == running.encode(), \
                 "the live owner's running job was taken from it"
             assert master.poll() is None
-            time.sleep(0.1)  # the pace of the watch, not a synchronisation
+            return _sweeps(r) >= done + 2
+        wait_until(kept_through_two_more_sweeps, timeout=10, interval=0.1, message="two more sweeps")
         assert r.llen(keys.suspects("default")) == 0
         assert "recovered a dead process's jobs" in log_path.read_text()  # the short one's
         # and the same owner, once silent past its lease, is still recovered
