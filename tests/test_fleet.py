@@ -113,9 +113,10 @@ def test_a_live_forkq_whose_clock_runs_behind_keeps_its_running_job(fleet, r, re
     slow = fleet.start("slow", "--queue", "slow", host="fleet-slow-clock", clock_shift=-300)
     wait_until(lambda: _owners_on(r, "fleet-slow-clock"), timeout=20,
                message="the slow-clock host's child registered")
-    # longer than the sweeper's 1.5 s delay plus the 2 s it waits before it judges anyone
-    # by silence, and its sweeps come every second
-    forkq.Client(redis_url).push("fleet.work", ["long", 5], queue="slow")
+    # the sweeper, up since before the slow host registered, judges by silence 2 s after
+    # it first reached Redis (its 1.5 s delay and a beat) and sweeps every second: the job
+    # runs through a settled sweep or more
+    forkq.Client(redis_url).push("fleet.work", ["long", 3.5], queue="slow")
     wait_until(lambda: r.hget("fleet:runs", "long"), timeout=30,
                message=f"the job ran\n{slow.log.read_text()[-2000:]}")  # type: ignore[attr-defined]
     (identity,) = _owners_on(r, "fleet-slow-clock")
