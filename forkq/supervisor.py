@@ -42,6 +42,10 @@ CHILD_SHRUGS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # none of them.
 CHILD_IGNORES = (signal.SIGTSTP, signal.SIGTTIN)
 CRASH_LOOP_LIMIT = 3
+# The master's read timeout on its Redis connection: what one call costs its loop when Redis
+# has stopped answering (paused, a partition). The "socket timeout" the requeue and
+# sweep comments below weigh their tries against.
+REDIS_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -490,7 +494,7 @@ class Supervisor:
     @property
     def redis(self) -> redis.Redis:
         if self._redis is None:
-            self._redis = client.connect(self.settings.redis_url, socket_timeout=5)
+            self._redis = client.connect(self.settings.redis_url, socket_timeout=REDIS_TIMEOUT_S)
         return self._redis
 
     def spawn_missing(self) -> None:
