@@ -183,16 +183,18 @@ def test_a_child_stopping_with_redis_down_gives_up_in_time_and_keeps_its_jobs(ow
 
 @pytest.mark.timeout(120)
 def test_a_frozen_redis_at_stop_holds_the_master_for_seconds_not_minutes(own_redis, tmp_path):
-    """SIGSTOPped Redis: every try takes the 5 s socket timeout. The child is killed at
+    """SIGSTOPped Redis: every try takes the master's socket timeout. The child is killed at
     --timeout plus the grace, and the master's final requeue gives up after its patience
     instead of twenty tries (over 100 s), leaving the jobs in the child's hash. Three
-    children reaped one after another cost one try between them, not one each. With a
-    2 s STOP_GRACE_S, not 5: waiting for the kill shows nothing more."""
-    events, took, identities = _stop_with_redis_away(own_redis, tmp_path, own_redis.pause, processes=3,
-                                                     constants={"STOP_GRACE_S": 2.0})
-    # the children's kill at 0.5 + 2 s, one try as the first is reaped, the final pass:
-    # about 12.5 s (a try per child reaped made it 22.5)
-    assert took < 19, f"the master took {took:.1f}s to exit"
+    children reaped one after another cost one try between them, not one each. Scaled
+    down from 5 s grace, 4 s patience and a 5 s socket timeout to 2, 1.5 and 2 s: the
+    same tries, sooner (the patience still less than a try, the final pass one try)."""
+    events, took, identities = _stop_with_redis_away(
+        own_redis, tmp_path, own_redis.pause, processes=3,
+        constants={"STOP_GRACE_S": 2.0, "STOP_PATIENCE_S": 1.5, "REDIS_TIMEOUT_S": 2.0})
+    # the children's kill at 0.5 + 2 s, one 2 s try as the first is reaped, the final pass:
+    # about 6.5 s (a try per child reaped made it 10.5)
+    assert took < 8.5, f"the master took {took:.1f}s to exit"
     assert any("stay in their private lists" in (e.get("event") or "") for e in events)
     own_redis.resume()
     r = own_redis.client()
