@@ -212,8 +212,10 @@ def test_memory_recycles_are_counted_by_reason(start_master, redis_url):
 @pytest.mark.timeout(90)
 def test_a_frozen_redis_does_not_hold_up_the_scrape(own_redis, tmp_path):
     port = free_port()
+    # after the failed scrape Redis is not asked for 1 s, not 2: the wait once it is back
     m = Master(own_redis.url, tmp_path / "m", processes=2, concurrency=1, app=APP,
-               args=["--metrics-port", port, "--metrics-bind", "127.0.0.1", "--timeout", "2"]).start()
+               args=["--metrics-port", port, "--metrics-bind", "127.0.0.1", "--timeout", "2"],
+               constants={"REDIS_BACKOFF_FIRST_S": 1.0}).start()
     try:
         m.wait_slots()
         wait_until(lambda: _answers(port), timeout=10, message=f"metrics on :{port}\n{m.tail()}")
