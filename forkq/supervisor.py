@@ -46,6 +46,9 @@ CRASH_LOOP_LIMIT = 3
 # has stopped answering (paused, a partition). The "socket timeout" the requeue and
 # sweep comments below weigh their tries against.
 REDIS_TIMEOUT_S = 5.0
+# How often a master whose loop turns touches its pidfile: `forkq ctl check --stuck-after`
+# judges a stuck master by the file's age
+PIDFILE_TOUCH_S = 5.0
 
 
 @dataclass
@@ -710,7 +713,7 @@ class Supervisor:
     def touch_pidfile(self) -> None:
         """Show `forkq ctl check` that this loop turns (children beat without it)."""
         now = time.monotonic()
-        if self.pidfile is not None and now - self._pidfile_touched >= 5.0:
+        if self.pidfile is not None and now - self._pidfile_touched >= PIDFILE_TOUCH_S:
             self._pidfile_touched = now
             control.touch(self.pidfile)
 

@@ -26,7 +26,7 @@ import pytest
 
 import forkq
 from forkq import keys
-from helpers import free_port, wait_until
+from helpers import forkq_command, free_port, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 JOBS_APP = Path(__file__).resolve().parent / "apps" / "supervised_jobs.py"
@@ -52,14 +52,16 @@ def _gone(pid: int) -> bool:
 
 class Master:
     def __init__(self, workdir: Path, *args: str, processes: int = 2, concurrency: int = 1,
-                 pidfile: bool = True, env: dict[str, str] | None = None) -> None:
+                 pidfile: bool = True, env: dict[str, str] | None = None,
+                 constants: dict[str, float] | None = None) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.processes = processes
         self.pidfile = workdir / "forkq.pid"
-        self.cmd = [sys.executable, "-m", "forkq", "start", "--require", str(JOBS_APP),
-                    "--processes", str(processes), "--concurrency", str(concurrency),
-                    "--log-format", "json", *args]
+        # constants: forkq module constants to run with (helpers.forkq_command)
+        self.cmd = forkq_command("start", "--require", str(JOBS_APP), "--processes", str(processes),
+                                 "--concurrency", str(concurrency), "--log-format", "json", *args,
+                                 constants=constants)
         if pidfile:
             self.cmd += ["--pidfile", str(self.pidfile)]
         self.env = _env(env)
@@ -596,10 +598,10 @@ def test_remote_ctl_without_redis_is_one_line(tmp_path):
 def test_check_fails_while_the_master_is_stuck_though_its_children_beat(start_master, r, tmp_path):
     """Children heartbeat whatever their master does: a master whose loop is stuck would
     neither replace a dead child nor answer a stop, and only its pidfile's age shows it."""
-    m = start_master("--heartbeat-interval", "0.5", processes=1)
+    m = start_master("--heartbeat-interval", "0.5", processes=1, constants={"PIDFILE_TOUCH_S": 1.0})
     m.wait_ready(r)
-    # over the 5 s between the touches of a master whose loop turns, with room for a turn
-    check = ("check", "--stuck-after", "6", "--pidfile", str(m.pidfile))
+    # over the 1 s between the touches of a master whose loop turns, with room for a turn
+    check = ("check", "--stuck-after", "2", "--pidfile", str(m.pidfile))
     ok(ctl(*check, cwd=tmp_path))
     os.kill(m.pid, signal.SIGSTOP)
     try:
