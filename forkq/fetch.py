@@ -357,8 +357,8 @@ class ReliableFetch:
                     pipe.delete(*[keys.CRASH_PREFIX + jid for jid in cleared])
                     pipe.execute()
                     if unlocks:
-                        # after, not in the pipeline: a script there goes by SCRIPT EXISTS and
-                        # LOAD, which a Redis with SCRIPT renamed away refuses
+                        # after the pipeline that carries their acks: an unlock follows its
+                        # ack, never the reverse
                         self._release(keys=[self.inflight_key], args=[0, *unlocks])
                 elif unlocks:
                     self._release(keys=[self.inflight_key], args=[len(batch), *batch, *unlocks])
