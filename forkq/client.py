@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import os
 import time
@@ -548,37 +547,30 @@ class _Pushers:
     def __init__(self, client: redis.Redis) -> None:
         self._new = wire.connection_factory(client)
         self._idle: list[Any] = []  # list.pop/append are atomic: shared between threads
+        self._client = client
+        self._scripts: dict[str, Any] = {}
 
     def run(self, commands: list[tuple]) -> Any:
+        return self._on_idle(wire.run_commands, *commands)
+
+    def run_script(self, name: str, args: tuple) -> Any:
+        """EVALSHA of a push script (EVAL after NOSCRIPT), on a pooled connection."""
+        script = self._scripts.get(name) or self._scripts.setdefault(name, scripts.load(self._client, name))
+        return self._on_idle(wire.run_script, script.sha, script.script, args)
+
+    def _on_idle(self, run: Callable[..., Any], *args: Any) -> Any:
         try:
             conn = self._idle.pop()
         except IndexError:
             conn = self._new()
         try:
-            return wire.run_commands(conn, *commands)
+            return run(conn, *args)
         except wire.Unanswered as exc:
             if wire.readonly(exc):  # Sentinel's connection dropped itself on READONLY
                 raise redis.ReadOnlyError(str(exc)) from None
             raise
         finally:
-            self._give(conn)  # in step, or disconnected by run_commands after a failure
-
-    def run_script(self, name: str, args: tuple) -> Any:
-        """EVALSHA of a push script (EVAL after NOSCRIPT), on a pooled connection."""
-        body = scripts.source(name)
-        sha = _SHAS.get(name) or _SHAS.setdefault(name, hashlib.sha1(body.encode()).hexdigest())
-        try:
-            conn = self._idle.pop()
-        except IndexError:
-            conn = self._new()
-        try:
-            return wire.run_script(conn, sha, body, args)
-        except wire.Unanswered as exc:
-            if wire.readonly(exc):
-                raise redis.ReadOnlyError(str(exc)) from None
-            raise
-        finally:
-            self._give(conn)
+            self._give(conn)  # in step, or disconnected by wire after a failure
 
     def _give(self, conn: Any) -> None:
         if len(self._idle) < self.MAX_IDLE:
@@ -587,7 +579,6 @@ class _Pushers:
             conn.disconnect()
 
 
-_SHAS: dict[str, str] = {}
 _default: Client | None = None
 
 
