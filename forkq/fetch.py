@@ -31,7 +31,7 @@ from redis.backoff import NoBackoff
 from redis.connection import AbstractConnection
 from redis.retry import Retry
 
-from . import keys, logs, scripts, wire
+from . import keys, logs, results, scripts, unique, wire
 from .queues import QueueOrder
 
 log = logs.get("forkq.fetch")
@@ -489,11 +489,44 @@ def _requeue_all(client: redis.Redis, identity: str, queue_names: list[str], cra
                  poison_after: int, script: Any, guard: int | str) -> Requeued:
     script = script or scripts.load(client, "requeue_all")
     landing = [keys.landing(identity, q) for q in queue_names]
-    requeued, poisoned, suspects = script(
+    requeued, poisoned, suspects, leavers = script(
         keys=[keys.inflight(identity), keys.OWNERS, *landing],
         args=[identity, 1 if crashed else 0, poison_after, time.time(), keys.CRASH_PREFIX,
               keys.SUSPECTS_PREFIX, guard, *queue_names])
+    if leavers:
+        _settle_poisoned(client, keys.inflight(identity), leavers)
     return Requeued(int(requeued), int(poisoned), int(suspects))
+
+
+def _settle_poisoned(client: redis.Redis, inflight_key: str, entries: list[bytes]) -> None:
+    """Do for jobs the requeue sent to dead as poison what every other way to dead does in
+    the write that ends the job: release a unique job's lock (while it still holds the
+    jid) and keep a keep_result job's failure. Lua cannot name the lock (a SHA-256), so
+    this is a second round trip: should it fail, the lock lapses with its TTL and no
+    failure is kept, which a warning says."""
+    pipe = client.pipeline(transaction=True)
+    release = scripts.load(client, "release")
+    for raw in entries:
+        try:
+            job = json.loads(raw)
+        except ValueError:
+            continue
+        if type(job) is not dict:
+            continue
+        lock, jid = unique.lock_of(job), job.get("jid")
+        if lock is not None and type(jid) is str:
+            release(keys=[inflight_key], args=[0, lock, jid], client=pipe)
+        keep = results.target(job)
+        if keep is not None:
+            results.queue_write(pipe, *keep, results.failure(
+                "dead", "forkq.PoisonJob", str(job.get("error_message", ""))))
+    if not len(pipe):
+        return
+    try:
+        pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("poison jobs went to dead, but their unique locks and kept failures were "
+                    "not written (the locks lapse with their TTL)", jobs=len(entries), error=str(exc))
 
 
 def owner_queues(client: redis.Redis, identity: str) -> list[str] | None:

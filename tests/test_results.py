@@ -153,6 +153,18 @@ def test_a_job_that_leaves_for_good_keeps_its_failure(client, r, worker):
     assert all(58_000 < r.pttl(k) <= 60_000 for k in result_keys(r))
 
 
+def test_a_poison_job_keeps_its_failure(client, r):
+    from forkq.fetch import requeue_owner_counts
+    identity = "test:1:poison0000000"
+    jid = compute.options(client=client).enqueue(1, 2)
+    r.hset(f"forkq:inflight:{identity}", "1\nrq", r.rpop("queue:rq"))
+    assert requeue_owner_counts(r, identity, ["rq"], crashed=True, poison_after=1).poisoned == 1
+    with pytest.raises(forkq.JobFailed, match="killed its worker process 1 times") as caught:
+        forkq.result(jid, client=client)
+    assert (caught.value.fate, caught.value.error_class) == ("dead", "forkq.PoisonJob")
+    assert 58_000 < r.pttl(f"forkq:result:{jid}") <= 60_000
+
+
 def test_a_job_waiting_to_retry_has_no_result_yet(client, r, worker):
     jid = flaky.options(client=client).enqueue("f")
     run_one(worker)

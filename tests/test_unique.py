@@ -301,6 +301,24 @@ def test_a_payload_from_another_client_is_unlocked_as_ours(client, r, worker):
     assert not r.exists(key)
 
 
+def test_a_poison_job_releases_its_lock_and_leaves_a_newer_one(client, r):
+    from forkq.fetch import requeue_owner_counts
+    identity = "test:1:poison0000000"
+    key7, key8 = lock_key("unique_test.sync", "uq", [7]), lock_key("unique_test.sync", "uq", [8])
+    held = []
+    for user in (7, 8):
+        sync.options(client=client).enqueue(user)
+        raw = r.rpop("queue:uq")
+        r.hset(f"forkq:inflight:{identity}", f"{user}\nuq", raw)
+        held.append(json.loads(raw)["jid"])
+    r.set(key8, "newer-push-jid")  # 8's lock lapsed and another push of it took it since
+    counts = requeue_owner_counts(r, identity, ["uq"], crashed=True, poison_after=1)
+    assert counts.poisoned == 2 and r.zcard("dead") == 2
+    assert not r.exists(key7)  # free for the next push of the same job, as after any death
+    assert r.get(key8) == b"newer-push-jid"
+    assert sync.options(client=client).enqueue(7) is not None
+
+
 @pytest.mark.parametrize("options, error", [
     ({"unique_for": 0}, ValueError), ({"unique_for": -1}, ValueError),
     ({"unique_for": float("inf")}, ValueError), ({"unique_for": "60"}, TypeError),

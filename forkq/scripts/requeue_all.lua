@@ -19,19 +19,22 @@
 -- ARGV[6] suspects-list key prefix, ARGV[7] '' or, for a stray (forkq/strays.py), the most
 -- time (ms) its alive key may have left for the process to count as silent,
 -- ARGV[8..] the queue name of each landing list
--- Returns {requeued, poisoned, suspects}: requeued counts every job put back to run again,
--- the suspects among them included; {-1, 0, 0} when a stray's process is registered or
--- has beaten since (it is alive: nothing is touched).
+-- Returns {requeued, poisoned, suspects, leavers}: requeued counts every job put back to run
+-- again, the suspects among them included; leavers are the dead entries of poisoned jobs
+-- that hold a unique lock or keep a result, for the caller to release and record (a lock's
+-- key is a SHA-256 that Lua cannot compute). {-1, 0, 0, {}} when a stray's process is
+-- registered or has beaten since (it is alive: nothing is touched).
 --#include entry
 if ARGV[7] ~= '' then
   -- checked here, in the same call as the requeue: checked before it, a beat in between
   -- would re-register a live process that this call then unregisters and robs
   if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1
       or redis.call('PTTL', 'forkq:alive:' .. ARGV[1]) > tonumber(ARGV[7]) then
-    return {-1, 0, 0}
+    return {-1, 0, 0, {}}
   end
 end
 local requeued, poisoned = 0, 0
+local leavers = {}
 local suspects = ARGV[6]
 for i = 3, #KEYS do
   local name = ARGV[i + 5]
@@ -81,7 +84,11 @@ for _, item in ipairs(items) do
         if decoded['failed_at'] == nil then
           extra = extra .. ',"failed_at":' .. ARGV[4]
         end
-        add_dead(string.gsub(job, '%s*}%s*$', '') .. extra .. '}', ARGV[4])
+        local entry = string.gsub(job, '%s*}%s*$', '') .. extra .. '}'
+        add_dead(entry, ARGV[4])
+        if decoded['unique_for'] ~= nil or decoded['keep_result'] ~= nil then
+          leavers[#leavers + 1] = entry
+        end
         redis.call('DEL', key)
         poisoned = poisoned + 1
       else
@@ -109,4 +116,4 @@ redis.call('HDEL', KEYS[2], ARGV[1])
 -- (a live process judged dead adds itself back at its next beat)
 redis.call('SREM', 'processes', ARGV[1])
 redis.call('UNLINK', ARGV[1], ARGV[1] .. ':work', ARGV[1] .. ':workers', 'forkq:alive:' .. ARGV[1])
-return {requeued + nsuspects, poisoned, nsuspects}
+return {requeued + nsuspects, poisoned, nsuspects, leavers}
