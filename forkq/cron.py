@@ -271,6 +271,8 @@ def periodic(expression: str, job: Any, args: list | tuple = (), *, name: str | 
     where = f"forkq.periodic {entry_name!r}"
     try:
         checked = payload.check_args(args)
+        if isinstance(job, Job):
+            job.check_arity(checked)
         queue_name = payload.check_queue(merged["queue"])
     except TypeError as exc:
         raise TypeError(f"{where}: {exc}") from None

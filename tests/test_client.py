@@ -222,6 +222,37 @@ def test_a_bad_argument_in_a_later_batch_pushes_nothing(forkq_client, r):
         forkq.default_client().push("X", [object()])
 
 
+@forkq.job(name="client_test.two_or_three")
+def two_or_three(a, b, c=None, *, verbose=False):
+    pass
+
+
+@forkq.job(name="client_test.at_least_one")
+def at_least_one(a, *rest):
+    pass
+
+
+def test_args_the_function_cannot_take_are_refused_and_nothing_is_pushed(forkq_client, r):
+    # pushed, such a job would fail with a TypeError at every run, retries and all
+    with pytest.raises(TypeError, match=r"^client_test.two_or_three takes from 2 to 3 positional "
+                                        r"arguments, not 1: nothing was pushed$"):
+        two_or_three.enqueue(1)
+    with pytest.raises(TypeError, match="not 4"):
+        two_or_three.options(queue="low").enqueue_in(60, 1, 2, 3, 4)
+    with pytest.raises(TypeError, match=r"^item 1 of the list: .* at least 1 positional argument, not 0"):
+        at_least_one.enqueue_many([[1], [], [2]])
+    assert r.dbsize() == 0
+    assert two_or_three.enqueue(1, 2) and two_or_three.enqueue_at(time.time() + 60, 1, 2, 3)
+    assert len(at_least_one.enqueue_many([[1], [1, 2, 3, 4, 5]])) == 2
+    # by name, the function is not known here (another language's worker may run it)
+    assert forkq.default_client().push("client_test.two_or_three", [])
+    with pytest.raises(TypeError, match="keyword-only parameter 'b' has no default"):
+        forkq.job(name="client_test.needs_keyword")(lambda a, *, b: None)
+    with pytest.raises(TypeError, match="keyword-only parameter 'b' has no default"):
+        forkq.job(name="client_test.needs_keyword")(lambda *a, b: None)
+    assert "client_test.needs_keyword" not in forkq.jobs.REGISTRY
+
+
 def _at_second_batch(act):
     """A client middleware that calls `act` once, on the first job of the second batch of
     1,000 (args [1000]), before that batch is sent."""

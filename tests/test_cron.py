@@ -116,9 +116,13 @@ def _refusal(call) -> str:
 @pytest.mark.timeout(10)
 def test_bad_declarations_are_refused_at_import_with_one_line(entries):
     @forkq.job(name="cron.test.report")
-    def report(kind: str) -> None: ...
+    def report(kind: str = "all") -> None: ...
 
     def plain() -> None: ...
+
+    # args the job cannot take would fail at every due time
+    assert "takes from 0 to 1 positional arguments, not 2" in _refusal(
+        lambda: forkq.periodic("0 3 * * *", report, ["daily", 2]))
 
     assert "bad minute" in _refusal(lambda: forkq.periodic("61 * * * *", report))
     assert "3 fields" in _refusal(lambda: forkq.periodic("* * *", report))
