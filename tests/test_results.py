@@ -165,6 +165,18 @@ def test_a_poison_job_keeps_its_failure(client, r):
     assert 58_000 < r.pttl(f"forkq:result:{jid}") <= 60_000
 
 
+def test_a_periodic_push_keeps_its_result_under_the_jid_of_its_due_time(client, r, worker, monkeypatch):
+    from forkq import cron
+    monkeypatch.setattr(cron, "ENTRIES", {})
+    entry = forkq.periodic("0 3 * * *", compute, [2, 3], name="results_test.nightly")
+    due = 1_700_000_000
+    r.lpush("queue:rq", json.dumps(entry.payload(due, time.time())))
+    run_one(worker)
+    assert forkq.result(cron.jid_for("results_test.nightly", due), client=client)[0] == 5
+    with pytest.raises(forkq.ResultNotReady):  # another due time's push is another job
+        forkq.result(cron.jid_for("results_test.nightly", due + 86400), client=client)
+
+
 def test_a_job_waiting_to_retry_has_no_result_yet(client, r, worker):
     jid = flaky.options(client=client).enqueue("f")
     run_one(worker)
