@@ -23,7 +23,7 @@ from typing import Any, Self
 
 import redis
 
-from . import client, control, keys, payload, scripts
+from . import client, control, keys, payload, scripts, unique
 from .errors import MalformedPayload
 from .fetch import crash_id
 from .retry import MALFORMED_CLASS
@@ -138,8 +138,9 @@ class Queue(_List):
 
     def delete(self, raw: bytes) -> int:
         """Remove one job: the first entry with exactly these bytes (LREM 1). Equal bytes
-        are the same job pushed twice, so which copy goes does not matter."""
-        return int(self.redis.lrem(self.key, 1, raw))
+        are the same job pushed twice, so which copy goes does not matter. A unique job's
+        lock goes with it."""
+        return _forget(self.redis, self.key, "list", [Entry.of(raw, 0.0)])
 
 
 # -- processes and running jobs ---------------------------------------------------------
@@ -396,9 +397,10 @@ class SortedSet:
         return int(scripts.load(self.redis, "move_due")(keys=[self.name], args=argv))
 
     def delete(self, entries: list[Entry]) -> int:
+        """Remove entries; a unique job's lock goes with it (see _forget)."""
         if not entries:
             return 0
-        return int(self.redis.zrem(self.name, *[e.raw for e in entries]))
+        return _forget(self.redis, self.name, "zset", entries)
 
     def kill(self, entries: list[Entry]) -> int:
         """Move entries to `dead` with the worker's script (Sidekiq's trimming: 180 days,
@@ -411,7 +413,7 @@ class SortedSet:
         for entry in entries:
             to_dead(keys=[keys.DEAD, self.name],
                     args=[entry.raw, now, entry.raw, "zset", now - keys.DEAD_TIMEOUT_S,
-                          keys.DEAD_MAX_JOBS], client=pipe)
+                          keys.DEAD_MAX_JOBS, *_lock(entry)], client=pipe)
         return sum(int(n or 0) for n in pipe.execute())
 
     def clear(self) -> int:
@@ -420,6 +422,31 @@ class SortedSet:
         pipe.zcard(self.name)
         pipe.unlink(self.name)
         return int(pipe.execute()[0])
+
+
+def _lock(entry: Entry) -> tuple[str, str] | tuple[()]:
+    """(lock key, jid) of a unique job's entry, else (): what release scripts take."""
+    job = entry.job
+    if job is None or "unique_for" not in job:
+        return ()
+    lock, jid = unique.lock_of(job), job.get("jid")
+    return (lock, jid) if lock is not None and type(jid) is str else ()
+
+
+def _forget(conn: redis.Redis, key: str, kind: str, entries: list[Entry]) -> int:
+    """Remove entries from a sorted set or a queue list, and release the unique lock of
+    each one removed, as a job leaving for good does: left held, it refused every push of
+    the same job until its TTL ran out, though no such job was pending any more. Entries
+    without a lock take the plain ZREM or LREM."""
+    locks = [_lock(e) for e in entries]
+    if not any(locks):
+        if kind == "zset":
+            return int(conn.zrem(key, *[e.raw for e in entries]))
+        return sum(int(conn.lrem(key, 1, e.raw)) for e in entries)
+    argv: list[Any] = [kind]
+    for entry, lock in zip(entries, locks):
+        argv += [entry.raw, *(lock or ("", ""))]
+    return int(scripts.load(conn, "forget")(keys=[key], args=argv))
 
 
 def schedule(conn: redis.Redis, page_size: int = DEFAULT_PAGE) -> SortedSet:

@@ -319,6 +319,33 @@ def test_a_poison_job_releases_its_lock_and_leaves_a_newer_one(client, r):
     assert sync.options(client=client).enqueue(7) is not None
 
 
+def test_an_operators_delete_or_kill_releases_the_lock(client, r):
+    from forkq import api
+    later = sync.options(client=client)
+    gone, killed, queued = later.enqueue_in(600, 1), later.enqueue_in(600, 2), later.enqueue(3)
+    plain_jid = plain.options(client=client).enqueue_in(600, 4)  # no lock: the plain ZREM
+    assert [later.enqueue(u) for u in (1, 2, 3)] == [None] * 3
+    scheduled = api.schedule(r)
+    assert scheduled.delete([scheduled.find(gone), scheduled.find(plain_jid)]) == 2
+    assert scheduled.kill([scheduled.find(killed)]) == 1
+    (entry,) = api.Queue(r, "uq").page(0, 10)
+    assert api.Queue(r, "uq").delete(entry.raw) == 1
+    assert locks(r) == {} and r.zcard("schedule") == 0 and r.zcard("dead") == 1
+    assert all(later.enqueue(u) for u in (1, 2, 3))  # each may be pushed again at once
+
+
+def test_a_kill_or_delete_of_an_entry_moved_meanwhile_neither_buries_nor_unlocks_it(client, r):
+    from forkq import api
+    jid = sync.options(client=client).enqueue_in(600, 5)
+    scheduled = api.schedule(r)
+    entry = scheduled.find(jid)
+    r.zrem("schedule", entry.raw)  # the scheduler moved it to its queue since it was read
+    r.lpush("queue:uq", entry.raw)
+    assert scheduled.kill([entry]) == 0 and scheduled.delete([entry]) == 0
+    assert r.zcard("dead") == 0 and r.llen("queue:uq") == 1
+    assert r.get(lock_key("unique_test.sync", "uq", [5])) == jid.encode()
+
+
 @pytest.mark.parametrize("options, error", [
     ({"unique_for": 0}, ValueError), ({"unique_for": -1}, ValueError),
     ({"unique_for": float("inf")}, ValueError), ({"unique_for": "60"}, TypeError),

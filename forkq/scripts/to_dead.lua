@@ -4,7 +4,18 @@
 -- ARGV[4] 'hash' or 'zset', ARGV[5] cutoff score, ARGV[6] Sidekiq's dead_max_jobs,
 -- then optionally ARGV[7] a unique job's lock key and ARGV[8] its jid: released if it
 -- still holds that jid
+-- Returns how many entries left the source (0 or 1).
 --#include unlock
+local removed
+if ARGV[4] == 'zset' then
+  -- an entry another process moved or deleted since it was read (the scheduler, a second
+  -- scheduler, an operator) is not copied into dead, nor its job's lock released: the job
+  -- may be pending on its queue
+  removed = redis.call('ZREM', KEYS[2], ARGV[3])
+  if removed == 0 then
+    return 0
+  end
+end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 unlock(ARGV, 7, #ARGV)
 -- Sidekiq's own calls: the cutoff inclusive, and rank -max, which keeps max - 1 entries
@@ -13,4 +24,4 @@ redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -tonumber(ARGV[6]))
 if ARGV[4] == 'hash' then
   return redis.call('HDEL', KEYS[2], ARGV[3])
 end
-return redis.call('ZREM', KEYS[2], ARGV[3])
+return removed
