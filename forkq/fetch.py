@@ -119,10 +119,11 @@ class ReliableFetch:
         self._return_suspect = scripts.load(client, "return_suspect")
         self._next_token = 1
         self._acks: deque[str] = deque()
-        # (lock key, jid) of unique jobs that succeeded: released by the call that carries
-        # their acks (queued after the ack, so a claim may carry an ack without its unlock,
-        # and the lock outlives its job a little, but never the other way round)
-        self._unlocks: deque[tuple[str, str]] = deque()
+        # (token, (key, jid, ...)) of succeeded jobs with after-success actions (a unique
+        # job's lock released: scripts/_after.lua): the ack and its actions are one entry,
+        # so they always go in the same call (queued apart, a claim could carry the ack
+        # alone, and the lock outlived its job until the next call)
+        self._after: deque[tuple[str, tuple[str, ...]]] = deque()
         # the acks of the claim on the wire: a stop's flush_acks deletes them too, in case
         # that claim is stuck (Redis frozen) and reaches Redis after the final requeue,
         # which would otherwise put those finished jobs back to run again
@@ -161,9 +162,7 @@ class ReliableFetch:
             self.recover_uncertain()
         if self._cleared:
             self.flush_acks()  # a suspect's ack and its crash count's delete go together
-        # unlocks before acks: ack() queues a job's ack before its unlock, so an unlock
-        # taken here goes with its ack (or after it), never ahead of it
-        unlocks = self._take_unlocks() if self._unlocks else ()
+        after = self._take_after() if self._after else ()
         acks = self._take_acks(4000)
         landed = [q for q in self.order.names if q in self._landed]
         self._landed.difference_update(landed)
@@ -173,8 +172,14 @@ class ReliableFetch:
         first = -(-self._next_token // 10) * 10  # a multiple of ten: fetch.lua formats fewer digits
         self._next_token = first + max(want, 0)
         names = landed + order
-        argv: list[Any] = [want, len(acks), self._resend, first, len(unlocks) // 2, *acks,
-                           *unlocks, *names]
+        if after:
+            tokens, actions = _split(after)
+            argv: list[Any] = [want, len(acks) + len(tokens), self._resend, first,
+                               len(actions) // 2, *acks, *tokens, *actions, *names]
+        else:
+            argv = [want, len(acks), self._resend, first, 0, *acks, *names]
+        # the plain acks only: a stop may delete these without the claim (flush_acks, the
+        # master's hand-over), which must never happen to an ack that has actions
         self._sending = acks
         try:
             flat = self._claim(keys_, argv)
@@ -183,7 +188,7 @@ class ReliableFetch:
             # the acks were not applied: keep them for the next call; a landing list that
             # was not drained must be drained next time too
             self._acks.extendleft(reversed(acks))
-            self._unlocks.extendleft(reversed(_pairs(unlocks)))
+            self._after.extendleft(reversed(after))
             self._landed.update(landed)
             if want > 0:
                 self._uncertain.append((first, want))
@@ -217,8 +222,8 @@ class ReliableFetch:
         """
         if self._uncertain:
             self.recover_uncertain()
-        if self._unlocks:
-            self.flush_acks()  # the acks and the locks of unique jobs go together
+        if self._after:
+            self.flush_acks()  # acks with after-success actions go through release.lua
         acks = self._take_acks(4000)
         cleared = list(self._cleared)
         token = str(self._next_token)
@@ -299,31 +304,34 @@ class ReliableFetch:
         return sum(self.give_back_landed(q) for q in self.order.names)
 
     # -- acknowledging ----------------------------------------------------------------
-    def ack(self, token: str, unlock: tuple[str, str] | None = None) -> None:
-        """Queue a finished job's delete, and with `unlock` (lock key, jid) the release of
-        its unique lock; they ride along with the next fetch call."""
-        self._acks.append(token)
-        if unlock is not None:
-            self._unlocks.append(unlock)
+    def ack(self, token: str, after: tuple[str, ...] | None = None) -> None:
+        """Queue a finished job's delete, and with `after` its after-success actions,
+        (key, jid) pairs (a unique job's lock to release); they ride along with the next
+        fetch call, together."""
+        if after is None:
+            self._acks.append(token)
+        else:
+            self._after.append((token, after))
 
     def unlock_now(self, lock: str, jid: str) -> None:
         """Release a unique lock at once if it still holds `jid` (`unique_until: "start"`)."""
         self._release(keys=[self.inflight_key], args=[0, lock, jid])
 
-    def _take_unlocks(self, limit: int = 1000) -> list[str]:
-        unlocks = self._unlocks
-        out: list[str] = []
-        while unlocks and len(out) < 2 * limit:
-            out += unlocks.popleft()
+    def _take_after(self, limit: int = 1000) -> list[tuple[str, tuple[str, ...]]]:
+        after = self._after
+        out = []
+        while after and len(out) < limit:
+            out.append(after.popleft())
         return out
 
     def pending_acks(self) -> int:
-        # unlocks too: one queued after a flush took its ack waits for the next flush
-        return len(self._acks) + len(self._unlocks)
+        return len(self._acks) + len(self._after)
 
     def unsent_acks(self) -> list[str]:
         """The in-flight fields of finished jobs whose delete may not have reached Redis:
-        those on a claim or a flush still waiting for its reply, and those not sent yet."""
+        those on a claim or a flush still waiting for its reply, and those not sent yet.
+        Not those with after-success actions: deleted without them (by the master), a
+        unique job's lock would outlive it; the job running again releases it."""
         return self._sending + self._flushing + list(self._acks)  # each copied whole, under the GIL
 
     def _take_acks(self, limit: int) -> list[str]:
@@ -344,29 +352,30 @@ class ReliableFetch:
         if sending := self._sending:
             # another thread's claim is carrying these; deleting them twice does no harm
             self.redis.hdel(self.inflight_key, *sending)
-        while self._acks or self._cleared or self._unlocks:
-            unlocks = self._take_unlocks() if self._unlocks else []  # first, as in fetch()
+        while self._acks or self._cleared or self._after:
+            after = self._take_after() if self._after else []
             batch = self._take_acks(4000)
             self._flushing = batch
             cleared = list(self._cleared)
             try:
+                if after:
+                    tokens, actions = _split(after)
+                    release = [len(batch) + len(tokens), *batch, *tokens, *actions]
                 if cleared:
                     pipe = self.redis.pipeline(transaction=True)
-                    if batch:
+                    if after:  # in the same MULTI as the crash counts' delete
+                        self._release(keys=[self.inflight_key], args=release, client=pipe)
+                    elif batch:
                         pipe.hdel(self.inflight_key, *batch)
                     pipe.delete(*[keys.CRASH_PREFIX + jid for jid in cleared])
                     pipe.execute()
-                    if unlocks:
-                        # after the pipeline that carries their acks: an unlock follows its
-                        # ack, never the reverse
-                        self._release(keys=[self.inflight_key], args=[0, *unlocks])
-                elif unlocks:
-                    self._release(keys=[self.inflight_key], args=[len(batch), *batch, *unlocks])
+                elif after:
+                    self._release(keys=[self.inflight_key], args=release)
                 else:
                     self.redis.hdel(self.inflight_key, *batch)
             except Exception:
                 self._acks.extendleft(reversed(batch))
-                self._unlocks.extendleft(reversed(_pairs(unlocks)))
+                self._after.extendleft(reversed(after))
                 raise
             finally:
                 self._flushing = []
@@ -385,8 +394,10 @@ class ReliableFetch:
         return requeue_owner(self.redis, self.identity, self.order.names, script=self._requeue_all)
 
 
-def _pairs(flat: list[str] | tuple) -> list[tuple[str, str]]:
-    return list(zip(flat[0::2], flat[1::2]))
+def _split(after: list[tuple[str, tuple[str, ...]]]) -> tuple[list[str], list[str]]:
+    """Queued (token, actions) entries as the scripts take them: the tokens, and every
+    action's (key, jid) flattened."""
+    return [token for token, _ in after], [x for _, actions in after for x in actions]
 
 
 def _units(flat: list[Any], first: int, names: list[str]) -> list[Unit]:

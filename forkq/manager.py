@@ -330,9 +330,9 @@ class Manager:
             self._wake.set()
         return units[0] if units else _NOTHING
 
-    def done(self, token: str | None, unlock: tuple[str, str] | None = None) -> None:
+    def done(self, token: str | None, after: tuple[str, ...] | None = None) -> None:
         if token is not None:
-            self.fetch.ack(token, unlock)
+            self.fetch.ack(token, after)
         if self._suspect is not None:
             # while isolating, the suspect is the only job running: this is its end
             self.fetch.suspect_done(self._suspect_jid)

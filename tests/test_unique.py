@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import signal
-from collections import deque
 
 import pytest
 import redis
@@ -168,27 +167,21 @@ def test_flush_acks_releases_too(client, r, worker):
     assert locks(r) == {} and r.hlen(worker.fetch.inflight_key) == 0
 
 
-def test_an_unlock_queued_after_its_ack_was_flushed_is_still_pending(client, r, worker):
-    """A processor queues its ack, then its unlock: a flush in between (quiet's loop, on
-    another processor's wake) sends the ack alone. That loop waits for pending_acks(),
-    which counted acks only, so the lock stayed until the stop, refusing pushes."""
+def test_an_unlock_is_queued_with_its_ack_as_one_entry(client, r, worker):
+    """A processor used to queue its ack, then its unlock: a flush in between (quiet's
+    loop, on another processor's wake) sent the ack alone, and the lock stayed until the
+    stop. Now the two are one entry (fetch.ack's after-success actions): pending_acks()
+    counts it, and a flush sends both or neither."""
     assert sync.options(client=client).enqueue(7)
     (unit,) = worker.fetch.fetch(1)
     (processor,) = worker.processors
     lock = processor.process(unit)
     fetch = worker.fetch
-
-    class FlushFirst(deque):
-        def append(self, pair):
-            fetch.flush_acks()  # the other thread's flush, between the two appends
-            super().append(pair)
-
-    fetch._unlocks = FlushFirst()
     worker.done(unit.token, lock)
-    assert r.hlen(fetch.inflight_key) == 0 and len(locks(r)) == 1
-    assert fetch.pending_acks() == 1  # quiet's loop flushes again
+    assert fetch.pending_acks() == 1 and len(locks(r)) == 1
+    assert fetch.unsent_acks() == []  # never deleted apart from its unlock at a stop
     fetch.flush_acks()
-    assert locks(r) == {}
+    assert r.hlen(fetch.inflight_key) == 0 and locks(r) == {}
 
 
 def test_an_unlock_never_goes_out_before_its_jobs_ack(client, r, worker):

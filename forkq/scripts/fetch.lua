@@ -8,9 +8,9 @@
 -- ARGV[2]            nacks
 -- ARGV[3]            1 if this call may be a resend of one that already ran (see below)
 -- ARGV[4]            first token number (the caller advances it by ARGV[1] each call)
--- ARGV[5]            nunlocks: unique locks to release with the acks (see release.lua)
--- ARGV[6..]          nacks fields to delete, then nunlocks (lock key, jid) pairs, then the
---                    queue name of each KEYS[2..]
+-- ARGV[5]            nafter: after-success actions to run with the acks (_after.lua)
+-- ARGV[6..]          nacks fields to delete, then nafter (key, jid) pairs (a unique job's
+--                    lock), then the queue name of each KEYS[2..]
 --
 -- Reply: {{count from KEYS[2], ...}, jobs from the first key that gave any, jobs from the
 -- next, ...}: one count per key tried, then each RPOP's own reply, as it came. The caller
@@ -35,19 +35,19 @@ local hash = KEYS[1]
 local want = tonumber(ARGV[1])
 local nacks = tonumber(ARGV[2])
 local token = tonumber(ARGV[4])
-local nunlocks = tonumber(ARGV[5])
-local names = 5 + nacks + 2 * nunlocks
+local nafter = tonumber(ARGV[5])
+local names = 5 + nacks + 2 * nafter
 local DIGITS = {[0] = '0', '1', '2', '3', '4', '5', '6', '7', '8', '9'}
---#include unlock
+--#include after
 
--- the acks of finished jobs, and the locks of the unique ones that succeeded: released in
--- the call that acknowledges them, never before
+-- the acks of finished jobs, and the after-success actions of those that have any (a
+-- unique job's lock released): in the call that acknowledges them, never in another
 local function ack()
   if nacks > 0 then
     redis.call('HDEL', hash, unpack(ARGV, 6, 5 + nacks))
   end
-  if nunlocks > 0 then
-    unlock(ARGV, 6 + nacks, names)
+  if nafter > 0 then
+    after_success(ARGV, 6 + nacks, names)
   end
 end
 
