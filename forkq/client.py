@@ -15,7 +15,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel
 
-from . import keys, payload, scripts, unique, wire
+from . import batch, keys, payload, scripts, unique, wire
 from .errors import ConfigError, RedisUnavailable
 from .masking import mask_text, mask_url  # noqa: F401  (forkq.client.mask_text, as before)
 
@@ -435,7 +435,11 @@ class Client:
     def push_jobs(self, jobs: list[dict[str, Any]], at: float | datetime | None = None) -> list[str]:
         """Push prepared payloads (each with class, args, jid, queue); return the jids of
         those pushed: not those a client middleware dropped, nor the unique ones refused
-        because an identical job holds its lock."""
+        because an identical job holds its lock. Inside a `with forkq.Batch()`, the jobs
+        join it, in the same MULTI as their push."""
+        joining = batch.joining()
+        if joining is not None:
+            joining.stamp(jobs, self)
         if self.middleware:
             jobs = [j for j in (self._through_middleware(j) for j in jobs) if j is not None]
         if not jobs:
@@ -454,7 +458,8 @@ class Client:
             for q in {j.get("queue", "default") for j in jobs}:  # the scheduler's default
                 payload.check_queue(q)
             scored = [part for j in jobs for part in (run_at, encode(j))]
-            self._send([("ZADD", keys.SCHEDULE, *scored)])
+            commands = [("ZADD", keys.SCHEDULE, *scored)]
+            self._send_joined(commands, joining, jobs)
             return [j["jid"] for j in jobs]
         by_queue: dict[str, list[str]] = {}
         for j in jobs:
@@ -464,8 +469,9 @@ class Client:
             payload.check_queue(q)
         # SADD and LPUSH per queue, as Sidekiq's client sends them (not atomic together: a
         # queue named in `queues` with nothing pushed is harmless)
-        self._send([command for q, raws in by_queue.items()
-                    for command in (("SADD", keys.QUEUES, q), ("LPUSH", keys.queue(q), *raws))])
+        commands = [command for q, raws in by_queue.items()
+                    for command in (("SADD", keys.QUEUES, q), ("LPUSH", keys.queue(q), *raws))]
+        self._send_joined(commands, joining, jobs)
         return [j["jid"] for j in jobs]
 
     def _push_unique(self, jobs: list[dict[str, Any]], run_at: float | None, now: float,
@@ -501,6 +507,19 @@ class Client:
         if test_push is not None:
             return test_push(commands)
         return self._write(lambda pushers: pushers.run(commands))
+
+    def _send_joined(self, commands: list[tuple], joining: "batch.Batch | None",
+                     jobs: list[dict[str, Any]]) -> None:
+        """Send a push's commands; inside a batch, in a MULTI that adds the jobs to it."""
+        if joining is None:
+            self._send(commands)
+            return
+        replies = self._send(joining.registered(commands, jobs))
+        # EXEC runs every command even if one fails (WRONGTYPE on a queue key): say so,
+        # as the plain push does; the batch is then abandoned as the exception leaves it
+        for reply in replies if type(replies) is list else ():
+            if isinstance(reply, Exception):
+                raise reply
 
     def _send_script(self, name: str, args: tuple) -> Any:
         """Run one push's script (numkeys, keys..., argv...), with _send's errors."""

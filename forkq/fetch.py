@@ -31,7 +31,7 @@ from redis.backoff import NoBackoff
 from redis.connection import AbstractConnection
 from redis.retry import Retry
 
-from . import keys, logs, results, scripts, unique, wire
+from . import batch, keys, logs, results, scripts, unique, wire
 from .queues import QueueOrder
 
 log = logs.get("forkq.fetch")
@@ -120,9 +120,9 @@ class ReliableFetch:
         self._next_token = 1
         self._acks: deque[str] = deque()
         # (token, (key, jid, ...)) of succeeded jobs with after-success actions (a unique
-        # job's lock released: scripts/_after.lua): the ack and its actions are one entry,
-        # so they always go in the same call (queued apart, a claim could carry the ack
-        # alone, and the lock outlived its job until the next call)
+        # job's lock released, a batch job's success counted: scripts/_after.lua): the ack
+        # and its actions are one entry, so they always go in the same call. A batch's
+        # count must not be lost, and an ack sent without it would lose it for good
         self._after: deque[tuple[str, tuple[str, ...]]] = deque()
         # the acks of the claim on the wire: a stop's flush_acks deletes them too, in case
         # that claim is stuck (Redis frozen) and reaches Redis after the final requeue,
@@ -306,8 +306,8 @@ class ReliableFetch:
     # -- acknowledging ----------------------------------------------------------------
     def ack(self, token: str, after: tuple[str, ...] | None = None) -> None:
         """Queue a finished job's delete, and with `after` its after-success actions,
-        (key, jid) pairs (a unique job's lock to release); they ride along with the next
-        fetch call, together."""
+        (key, jid) pairs (a unique job's lock to release, a batch to count its success
+        in); they ride along with the next fetch call, together."""
         if after is None:
             self._acks.append(token)
         else:
@@ -331,7 +331,7 @@ class ReliableFetch:
         """The in-flight fields of finished jobs whose delete may not have reached Redis:
         those on a claim or a flush still waiting for its reply, and those not sent yet.
         Not those with after-success actions: deleted without them (by the master), a
-        unique job's lock would outlive it; the job running again releases it."""
+        batch job's success would be lost, where the job running again is harmless."""
         return self._sending + self._flushing + list(self._acks)  # each copied whole, under the GIL
 
     def _take_acks(self, limit: int) -> list[str]:
@@ -512,9 +512,9 @@ def _requeue_all(client: redis.Redis, identity: str, queue_names: list[str], cra
 def _settle_poisoned(client: redis.Redis, inflight_key: str, entries: list[bytes]) -> None:
     """Do for jobs the requeue sent to dead as poison what every other way to dead does in
     the write that ends the job: release a unique job's lock (while it still holds the
-    jid) and keep a keep_result job's failure. Lua cannot name the lock (a SHA-256), so
-    this is a second round trip: should it fail, the lock lapses with its TTL and no
-    failure is kept, which a warning says."""
+    jid), keep a keep_result job's failure and count a batch job's. Lua cannot name the
+    lock (a SHA-256), so this is a second round trip: should it fail, the lock lapses with
+    its TTL and no failure is kept or counted, which a warning says."""
     pipe = client.pipeline(transaction=True)
     release = scripts.load(client, "release")
     for raw in entries:
@@ -531,6 +531,8 @@ def _settle_poisoned(client: redis.Redis, inflight_key: str, entries: list[bytes
         if keep is not None:
             results.queue_write(pipe, *keep, results.failure(
                 "dead", "forkq.PoisonJob", str(job.get("error_message", ""))))
+        if "bid" in job:
+            batch.queue_failure(pipe, job, "forkq.PoisonJob", str(job.get("error_message", "")), "dead")
     if not len(pipe):
         return
     try:

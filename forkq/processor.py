@@ -11,7 +11,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import hooks, logs, payload, results, unique
+from . import batch, hooks, logs, payload, results, unique
 from .errors import MalformedPayload, TimeLimitExceeded, UnknownJob
 from .fetch import Unit
 from .jobs import lookup
@@ -149,7 +149,7 @@ class Processor:
                 acked = self._fault(unit, exc)
             if acked.__class__ is bool:
                 self.manager.done(unit.token if acked else None)
-            else:  # a unique job that succeeded: its lock goes with its ack
+            else:  # its after-success actions (a unique lock, a batch) go with its ack
                 self.manager.done(unit.token, acked)
 
     def _fault(self, unit: Unit, exc: BaseException) -> bool:
@@ -168,9 +168,10 @@ class Processor:
         self.manager.write(self.outcomes.failed, job, exc, unit.token, lookup(job["class"]))
         return False
 
-    def process(self, unit: Unit) -> bool | tuple[str, str]:
+    def process(self, unit: Unit) -> bool | tuple[str, ...]:
         """Run one job; True if its in-flight entry still needs the batched ack, or for a
-        unique job that succeeded, (lock key, jid): its ack and its lock's release."""
+        unique or batch job that succeeded, its after-success actions to send with the
+        ack: (key, jid) pairs, a lock to release or a batch to count it in."""
         try:
             job = payload.parse(unit.raw)
         except MalformedPayload as exc:
@@ -178,12 +179,15 @@ class Processor:
         name = job["class"]
         # the payload decides, not the local @job: another client's push is treated alike
         lock = None if job.get("unique_for") is None else self._unique_lock(job)
+        after = lock if job.get("bid") is None else batch.after_success(job, lock)
         # (jid, TTL ms) of a keep_result job, read before the job may change its payload
         keep = None if job.get("keep_result") is None else self._keep_target(job)
         expires = job.get("expires_at")
         if expires is not None and _expired(job, expires, unit.queue):
-            if keep is not None and not self._keep(keep, results.failure(
-                    "expired", "forkq.JobExpired", f"not started before its expires_at ({expires!r})")):
+            why = f"not started before its expires_at ({expires!r})"
+            if keep is not None and not self._keep(keep, results.failure("expired", "forkq.JobExpired", why)):
+                return False
+            if after is not lock and not self._expired_in_batch(job, why):
                 return False
             return True if lock is None else lock  # dropped unrun: acknowledged as done
         jobdef = lookup(name)
@@ -196,7 +200,19 @@ class Processor:
         # counted once it ended, failed or not, as Sidekiq counts: a job cut off by a hard
         # stop raised past here and counts when it runs again
         self.processed += 1
-        return lock if acked and lock is not None else acked
+        return after if acked and after is not None else acked
+
+    def _expired_in_batch(self, job: dict[str, Any], why: str) -> bool:
+        """Count a batch job dropped unrun as its batch's failure before its ack; False if
+        that could not be written (the job stays in flight, and is dropped again later)."""
+        try:
+            self.manager.write(batch.record_failure, self.manager.redis, job, "forkq.JobExpired",
+                               why, "expired")
+        except Exception as exc:
+            log.error("could not count an expired job in its batch; it stays in flight",
+                      jid=job.get("jid"), error=f"{type(exc).__name__}: {exc}")
+            return False
+        return True
 
     def _unique_lock(self, job: dict[str, Any]) -> tuple[str, str] | None:
         """A unique job's (lock key, jid), worked out before the job runs (it may change

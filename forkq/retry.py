@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from . import keys, payload, results, scripts, unique
+from . import batch, keys, payload, results, scripts, unique
 from .errors import UnknownJob
 from .fetch import writes_refused
 
@@ -178,11 +178,12 @@ class Outcomes:
                             now - keys.DEAD_TIMEOUT_S, keys.DEAD_MAX_JOBS, *(lock or ())],
                       client=client)
 
-    def to_retry(self, job: dict[str, Any], token: str, at: float) -> None:
-        pipe = self.redis.pipeline(transaction=True)
+    def to_retry(self, job: dict[str, Any], token: str, at: float, client: Any = None) -> None:
+        pipe = self.redis.pipeline(transaction=True) if client is None else client
         pipe.zadd(keys.RETRY, {payload.dumps(job): at})
         pipe.hdel(self.inflight_key, token)
-        pipe.execute()
+        if client is None:
+            pipe.execute()
         if self.retry_written is not None:
             self.retry_written(at)
 
@@ -207,11 +208,12 @@ class Outcomes:
             return fate, write
         element = results.failure(fate, error_class(exc), _utf8(message(exc)[:MESSAGE_LIMIT]))
 
-        def write_with_result(token: str) -> None:
-            pipe = self.redis.pipeline(transaction=True)
+        def write_with_result(token: str, client: Any = None) -> None:
+            pipe = self.redis.pipeline(transaction=True) if client is None else client
             results.queue_write(pipe, *keep, element)
             write(token, client=pipe)
-            pipe.execute()
+            if client is None:
+                pipe.execute()
         return fate, write_with_result
 
     def failed(self, job: dict[str, Any], exc: BaseException, token: str,
@@ -224,7 +226,10 @@ class Outcomes:
         """
         plan = self._plans.get(token)
         if plan is None:
-            plan = self._plans[token] = self._plan(job, exc, jobdef)
+            plan = self._plan(job, exc, jobdef)
+            if "bid" in job:  # counted in its batch in the same MULTI
+                plan = batch.on_failure(self.redis, job, exc, plan)
+            self._plans[token] = plan
         fate, write = plan
         try:
             write(token)
@@ -275,7 +280,7 @@ class Outcomes:
                 return self._ending("discarded", drop, keep, exc)
             if decision != "kill":
                 at = now + min(decision, MAX_DELAY_S)
-                return "retry", lambda token: self.to_retry(job, token, at)
+                return "retry", lambda token, client=None: self.to_retry(job, token, at, client)
         elif jobdef is not None and jobdef.exhausted_hook is not None:
             try:
                 jobdef.exhausted_hook(job, exc)

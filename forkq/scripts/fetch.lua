@@ -10,7 +10,7 @@
 -- ARGV[4]            first token number (the caller advances it by ARGV[1] each call)
 -- ARGV[5]            nafter: after-success actions to run with the acks (_after.lua)
 -- ARGV[6..]          nacks fields to delete, then nafter (key, jid) pairs (a unique job's
---                    lock), then the queue name of each KEYS[2..]
+--                    lock, or its batch), then the queue name of each KEYS[2..]
 --
 -- Reply: {{count from KEYS[2], ...}, jobs from the first key that gave any, jobs from the
 -- next, ...}: one count per key tried, then each RPOP's own reply, as it came. The caller
@@ -38,10 +38,14 @@ local token = tonumber(ARGV[4])
 local nafter = tonumber(ARGV[5])
 local names = 5 + nacks + 2 * nafter
 local DIGITS = {[0] = '0', '1', '2', '3', '4', '5', '6', '7', '8', '9'}
+local function after_success(args, first, last)
+--#include batch
 --#include after
+end
 
 -- the acks of finished jobs, and the after-success actions of those that have any (a
--- unique job's lock released): in the call that acknowledges them, never in another
+-- unique job's lock released, a batch job's success counted): in the call that
+-- acknowledges them, never in another
 local function ack()
   if nacks > 0 then
     redis.call('HDEL', hash, unpack(ARGV, 6, 5 + nacks))

@@ -21,8 +21,8 @@
 -- ARGV[8..] the queue name of each landing list
 -- Returns {requeued, poisoned, suspects, leavers}: requeued counts every job put back to run
 -- again, the suspects among them included; leavers are the dead entries of poisoned jobs
--- that hold a unique lock or keep a result, for the caller to release and record (a lock's
--- key is a SHA-256 that Lua cannot compute). {-1, 0, 0, {}} when a stray's process is
+-- that hold a unique lock, keep a result or are in a batch, for the caller to release and
+-- record (a lock's key is a SHA-256 that Lua cannot compute). {-1, 0, 0, {}} when a stray's process is
 -- registered or has beaten since (it is alive: nothing is touched).
 --#include entry
 if ARGV[7] ~= '' then
@@ -86,7 +86,7 @@ for _, item in ipairs(items) do
         end
         local entry = string.gsub(job, '%s*}%s*$', '') .. extra .. '}'
         add_dead(entry, ARGV[4])
-        if decoded['unique_for'] ~= nil or decoded['keep_result'] ~= nil then
+        if decoded['unique_for'] ~= nil or decoded['keep_result'] ~= nil or decoded['bid'] ~= nil then
           leavers[#leavers + 1] = entry
         end
         redis.call('DEL', key)

@@ -1,0 +1,298 @@
+"""Batches: jobs pushed together, and callback jobs pushed once they have all ended.
+
+    batch = forkq.Batch(description="import 42")
+    batch.on_success(notify, "import-42")     # once every job has succeeded
+    batch.on_complete(report, "import-42")    # once every job has succeeded or failed once
+    with batch:                                # pushes in this thread or task join it
+        for row in rows:
+            load_row.enqueue(row)
+    forkq.batch_status(batch.bid)
+
+A job pushed inside the `with` carries `"bid"` (Sidekiq Pro's field) and its jid is added
+to the batch's set in the same MULTI that pushes it. A worker counts a batch job's success
+in the claim call that acknowledges it (scripts/_after.lua), and a failure in the MULTI
+that schedules its retry or ends it (scripts/batch_fail.lua); either may fire a callback,
+inside that same script, once (scripts/_batch.lua holds the rules and the keys). Leaving
+the `with` seals the batch: before that nothing fires. One that ends with an exception is
+never sealed: its jobs run, its callbacks never do, and its status says `abandoned`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import payload, scripts
+
+if TYPE_CHECKING:
+    import redis
+
+    from .client import Client
+    from .jobs import Enqueuer, Job
+
+PREFIX = "forkq:batch:"
+# A batch's keys live this long after its latest job ended (refreshed at most once a day),
+# and DONE_TTL_S once it succeeded: its status stays readable for a day. _batch.lua holds
+# the same numbers.
+TTL_S = 30 * 86400
+DONE_TTL_S = 86400
+
+# the batch open in this thread or asyncio task (the `with` block's), or None
+_open: contextvars.ContextVar["Batch | None"] = contextvars.ContextVar("forkq_batch", default=None)
+
+
+def key(bid: str) -> str:
+    """A batch's hash; "KEY:jids" is the set of its jobs that have not succeeded, and
+    "KEY:failed" their last failures (scripts/_batch.lua)."""
+    return PREFIX + bid
+
+
+def joining() -> "Batch | None":
+    """The batch a push made now joins (Client.push_jobs asks once per push)."""
+    return _open.get()
+
+
+class Batch:
+    """A set of jobs and the callbacks to push when they have ended; see the module doc."""
+
+    def __init__(self, description: str = "", *, client: "Client | None" = None) -> None:
+        if type(description) is not str:
+            raise TypeError(f"description must be a str, not {type(description).__name__}")
+        self.bid = secrets.token_urlsafe(10)  # 14 characters, as Sidekiq Pro's bids
+        self.description = description
+        self._client = client
+        self._callbacks: dict[str, tuple[str, str]] = {}  # event -> (payload text, queue)
+        self._state = "new"  # new, open, sealed, abandoned (or unsealed: the seal failed)
+        self._token: contextvars.Token | None = None
+
+    def __repr__(self) -> str:
+        return f"<forkq.Batch {self.bid} {self._state}>"
+
+    @property
+    def client(self) -> "Client":
+        from .client import default_client
+        return self._client or default_client()
+
+    # -- callbacks ----------------------------------------------------------------------
+    def on_success(self, job: "Job | Enqueuer", *args: Any) -> "Batch":
+        """Push job(*args) once every job of the batch has succeeded (retries included)."""
+        return self._callback("on_success", job, args)
+
+    def on_complete(self, job: "Job | Enqueuer", *args: Any) -> "Batch":
+        """Push job(*args) once every job of the batch has succeeded or failed at least once."""
+        return self._callback("on_complete", job, args)
+
+    def _callback(self, event: str, job: Any, args: tuple) -> "Batch":
+        from .jobs import Enqueuer, Job
+        if self._state not in ("new", "open"):
+            raise RuntimeError(f"batch {self.bid} is {self._state}: its callbacks are fixed")
+        if isinstance(job, Job):
+            job = job._default()
+        if not isinstance(job, Enqueuer):
+            raise TypeError(f"a batch callback is a @forkq.job (or its .options(...)), not {job!r}")
+        if "unique_for" in job.options:
+            raise ValueError(f"{job.job.name}: a batch callback cannot be unique (it is pushed "
+                             "once already); use .options(unique_for=None)")
+        checked = payload.check_args(list(args))
+        job.job.check_arity(checked)
+        (built,) = job._build([checked])
+        self._callbacks[event] = (payload.dumps(built), built["queue"])
+        return self
+
+    # -- the with block -----------------------------------------------------------------
+    def __enter__(self) -> "Batch":
+        if self._state != "new":
+            raise RuntimeError(f"batch {self.bid} is {self._state}: a batch is opened once")
+        if _open.get() is not None:
+            raise RuntimeError("a batch is already open here: batches do not nest")
+        from . import client as client_module
+        if client_module.test_push is None:
+            pipe = self.client.redis.pipeline(transaction=True)
+            pipe.hset(key(self.bid), mapping={"description": self.description,
+                                              "created_at": repr(time.time()), "sealed": "0"})
+            pipe.expire(key(self.bid), TTL_S)
+            pipe.execute()
+        self._state = "open"
+        self._token = _open.set(self)
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        _open.reset(self._token)
+        self._token = None
+        if kind is None:
+            self._seal()
+        else:
+            self._abandon()
+
+    def _seal(self) -> None:
+        """One call: a seal that fails (Redis unreachable) raises out of the `with`, and
+        the batch stays unsealed in Redis, its callbacks never pushed."""
+        from . import client as client_module
+        if client_module.test_push is not None:
+            self._state = "sealed"
+            self._seal_in_memory()
+            return
+        success = self._callbacks.get("on_success", ("", ""))
+        complete = self._callbacks.get("on_complete", ("", ""))
+        seal = scripts.load(self.client.redis, "batch_seal")
+        self._state = "unsealed"
+        if seal(keys=[key(self.bid)], args=[*success, *complete]) == -1:
+            raise RuntimeError(f"batch {self.bid} is gone from Redis (flushed, or expired): "
+                               "its callbacks will not run")
+        self._state = "sealed"
+
+    def _abandon(self) -> None:
+        """Leave the batch unsealed, so nothing fires; mark it for its status, best effort
+        (the exception may be Redis's own, and unsealed is what keeps callbacks back)."""
+        from . import client as client_module
+        self._state = "abandoned"
+        if client_module.test_push is not None:
+            return
+        try:
+            self.client.redis.hset(key(self.bid), "abandoned", "1")
+        except Exception:
+            pass
+
+    def _seal_in_memory(self) -> None:
+        """Under forkq.testing every job of the batch ran already (inline) or is recorded
+        (fake, where drain() runs them): the callbacks are pushed now, after them."""
+        from . import client as client_module
+        for event in ("on_complete", "on_success"):
+            if event in self._callbacks:
+                client_module.test_push([("LPUSH", "queue:" + self._callbacks[event][1],
+                                          self._callbacks[event][0])])
+
+    # -- joining pushes -----------------------------------------------------------------
+    def stamp(self, jobs: list[dict[str, Any]], client: "Client") -> None:
+        """Mark jobs about to be pushed through `client` as this batch's."""
+        if client.url != self.client.url:
+            raise ValueError(f"batch {self.bid} lives on {self.client.url!r}: a push inside it "
+                             f"must go to the same Redis, not {client.url!r}")
+        for j in jobs:
+            if "unique_for" in j:
+                raise ValueError(f"{j.get('class')}: unique jobs cannot join a batch (the lock's "
+                                 "push is a script of its own); push it with "
+                                 ".options(unique_for=None), or outside the batch")
+            j["bid"] = self.bid
+
+    def registered(self, commands: list[tuple], jobs: list[dict[str, Any]]) -> list[tuple]:
+        """A push's commands, with the jids of the jobs still in this batch (a client
+        middleware may drop a job or its bid) added to the batch in the same MULTI."""
+        jids = [j["jid"] for j in jobs if j.get("bid") == self.bid]
+        if not jids:
+            return commands
+        b = key(self.bid)
+        return [("MULTI",), *commands, ("SADD", b + ":jids", *jids), ("EXPIRE", b + ":jids", TTL_S),
+                ("HINCRBY", b, "total", len(jids)), ("EXPIRE", b, TTL_S), ("EXEC",)]
+
+    def status(self) -> "BatchStatus | None":
+        return batch_status(self.bid, client=self._client)
+
+
+# -- the worker's side -------------------------------------------------------------------
+def after_success(job: dict[str, Any], lock: tuple[str, str] | None) -> tuple[str, ...] | None:
+    """A batch job's after-success actions: its batch's count, and `lock` (a unique job's
+    release) if any. Only called for a payload with a "bid"; one that is no str (another
+    client's) is ignored."""
+    bid, jid = job["bid"], job.get("jid")
+    if type(bid) is not str or not bid or type(jid) is not str:
+        return lock
+    mine = (PREFIX + bid, jid)
+    return mine if lock is None else mine + lock
+
+
+def _failure_json(error_class: str, error_message: str, fate: str) -> str:
+    return json.dumps({"error_class": error_class, "error_message": error_message[:1000],
+                       "fate": fate, "at": time.time()})
+
+
+def queue_failure(pipe: Any, job: dict[str, Any], error_class: str, error_message: str,
+                  fate: str) -> None:
+    """Queue the count of a batch job's failure on a MULTI `pipe` (nothing for a job that
+    is in no batch)."""
+    bid, jid = job.get("bid"), job.get("jid")
+    if type(bid) is not str or not bid or type(jid) is not str:
+        return
+    scripts.load(pipe, "batch_fail")(keys=[key(bid)], args=[
+        jid, _failure_json(error_class, error_message, fate)], client=pipe)
+
+
+def record_failure(client: "redis.Redis", job: dict[str, Any], error_class: str,
+                   error_message: str, fate: str) -> None:
+    """Count a batch job's failure now, in a call of its own (a job dropped unrun)."""
+    pipe = client.pipeline(transaction=True)
+    queue_failure(pipe, job, error_class, error_message, fate)
+    if len(pipe):
+        pipe.execute()
+
+
+def on_failure(redis_client: "redis.Redis", job: dict[str, Any], exc: BaseException,
+               plan: tuple[str, Any]) -> tuple[str, Any]:
+    """A failure's plan (fate, write) from retry.Outcomes, made to count the failure in
+    the job's batch in the same MULTI as the write (which takes `client=` a pipeline)."""
+    bid, jid = job.get("bid"), job.get("jid")
+    if type(bid) is not str or not bid or type(jid) is not str:
+        return plan
+    from .retry import error_class, message
+    fate, write = plan
+    failure = (error_class(exc), message(exc), fate)
+
+    def write_in_batch(token: str, client: Any = None) -> None:
+        pipe = redis_client.pipeline(transaction=True) if client is None else client
+        write(token, client=pipe)
+        queue_failure(pipe, job, *failure)
+        if client is None:
+            pipe.execute()
+    return fate, write_in_batch
+
+
+# -- reading -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BatchStatus:
+    """What forkq.batch_status() reads. `pending`: jobs that have not succeeded (yet);
+    `failures`: jid -> {"error_class", "error_message", "fate", "at"} of the last failure of
+    each job that has not succeeded since; `complete`/`success`: whether that callback's
+    condition was met (and its job pushed, if it has one)."""
+
+    bid: str
+    description: str
+    created_at: float
+    total: int
+    pending: int
+    failures: dict[str, dict[str, Any]]
+    sealed: bool
+    abandoned: bool
+    complete: bool
+    success: bool
+    complete_at: float | None
+    success_at: float | None
+
+
+def batch_status(bid: str, client: "Client | None" = None) -> BatchStatus | None:
+    """A batch's status, or None if Redis has none (never opened, or expired)."""
+    from .client import default_client
+    r = (client or default_client()).redis
+    b = key(bid)
+    pipe = r.pipeline(transaction=True)
+    pipe.hgetall(b)
+    pipe.scard(b + ":jids")
+    pipe.hgetall(b + ":failed")
+    meta, pending, failed = pipe.execute()
+    if not meta:
+        return None
+    meta = {k.decode(): v.decode() for k, v in meta.items()}
+    total = int(meta.get("total", 0))
+
+    def when(field: str) -> float | None:
+        return float(meta[field]) if field in meta else None
+    return BatchStatus(
+        bid=bid, description=meta.get("description", ""),
+        created_at=float(meta.get("created_at", 0)), total=total, pending=pending,
+        failures={k.decode(): json.loads(v) for k, v in failed.items()},
+        sealed=meta.get("sealed") == "1", abandoned=meta.get("abandoned") == "1",
+        complete="complete_at" in meta, success="success_at" in meta,
+        complete_at=when("complete_at"), success_at=when("success_at"))

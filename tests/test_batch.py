@@ -1,0 +1,418 @@
+"""Batches (forkq.Batch): the push that joins a batch, the worker's counts, the callbacks.
+
+In-process against the shared redis-server: Managers whose processor is driven by hand
+(claim, run, done, and the next claim that carries the ack and its batch count), so each
+test takes milliseconds. One test runs a real master with two children and SIGKILLs one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+import forkq
+from forkq import batch as batch_mod
+from forkq import testing
+from forkq.fetch import requeue_owner_counts
+from corekit import hand_driven, run_one
+from helpers import wait_until
+from test_supervisor import sup_events, start_master, wait_event  # noqa: F401 (a fixture)
+
+calls: list = []
+flaky_failures: dict[str, int] = {}
+
+
+@forkq.job(queue="bq", name="batch_test.load")
+def load(n: int) -> None:
+    calls.append(["load", n])
+
+
+@forkq.job(queue="bq", retry=1, name="batch_test.fails")
+def fails(n: int) -> None:
+    raise RuntimeError(f"boom {n}")
+
+
+@forkq.job(queue="bq", name="batch_test.flaky")
+def flaky(tag: str) -> None:
+    """Fails the first time it runs for a tag, then succeeds."""
+    if not flaky_failures.get(tag):
+        flaky_failures[tag] = 1
+        raise ValueError(f"first run of {tag}")
+    calls.append(["flaky", tag])
+
+
+@forkq.job(queue="bcb", name="batch_test.notify")
+def notify(tag: str) -> None:
+    calls.append(["notify", tag])
+
+
+@forkq.job(queue="bcb", name="batch_test.report")
+def report(tag: str) -> None:
+    calls.append(["report", tag])
+
+
+@pytest.fixture
+def client(redis_url):
+    calls.clear()
+    flaky_failures.clear()
+    c = forkq.configure(redis_url)
+    try:
+        yield c
+    finally:
+        forkq.client._default = None
+
+
+@pytest.fixture
+def worker(redis_url, r):
+    """A Manager on queue bq, not started: run_one() drives its one processor."""
+    manager = hand_driven(redis_url, "bq", "test:1:batch0000000a")
+    yield manager
+    manager.fetch.close()
+
+
+def callbacks(r) -> list[tuple[str, list]]:
+    """The callback jobs pushed so far, oldest first: (class, args)."""
+    return [(j["class"].rpartition(".")[2], j["args"])
+            for j in map(json.loads, reversed(r.lrange("queue:bcb", 0, -1)))]
+
+
+def run_all(worker, n: int) -> None:
+    for _ in range(n):
+        run_one(worker)
+    worker.fetch.fetch(0)  # the claim that carries the last acks
+
+
+def retry_now(r) -> None:
+    """Move the retry set's jobs back onto their queue, as the poller does when due."""
+    for raw in r.zrange("retry", 0, -1):
+        r.zrem("retry", raw)
+        r.lpush(f"queue:{json.loads(raw)['queue']}", raw)
+
+
+def test_pushes_inside_join_the_batch_in_the_same_multi(client, r):
+    before = r.info("commandstats").get("cmdstat_exec", {}).get("calls", 0)
+    outside = load.enqueue(0)
+    batch = forkq.Batch(description="import 42")
+    with batch:
+        one = load.enqueue(1)
+        many = load.enqueue_many([[2], [3], [4]])
+        later = load.enqueue_in(600, 5)
+    jobs = {j["jid"]: j for j in map(json.loads, r.lrange("queue:bq", 0, -1))}
+    assert "bid" not in jobs[outside]  # a push outside any batch is as before
+    assert all(jobs[jid]["bid"] == batch.bid for jid in [one, *many])
+    (scheduled,) = r.zrange("schedule", 0, -1)
+    assert json.loads(scheduled)["bid"] == batch.bid
+    assert {m.decode() for m in r.smembers(f"forkq:batch:{batch.bid}:jids")} == {one, *many, later}
+    # one MULTI per push (enqueue_many's chunk is one push), and one for opening the batch
+    assert r.info("commandstats")["cmdstat_exec"]["calls"] - before == 4
+    status = forkq.batch_status(batch.bid)
+    assert (status.total, status.pending, status.failures) == (5, 5, {})
+    assert status.sealed and not status.complete and not status.success and not status.abandoned
+    assert status.description == "import 42"
+    assert 0 < r.ttl(f"forkq:batch:{batch.bid}") <= batch_mod.TTL_S
+    assert 0 < r.ttl(f"forkq:batch:{batch.bid}:jids") <= batch_mod.TTL_S
+
+
+def test_jobs_without_a_batch_are_acked_as_before_and_a_foreign_bid_changes_nothing(client, r, worker):
+    load.enqueue(1)
+    (unit,) = worker.fetch.fetch(1)
+    assert worker.processors[0].process(unit) is True  # a plain ack: no actions
+    worker.done(unit.token)
+    # a payload naming a batch forkq never made (a Sidekiq Pro bid, say) runs as any job
+    forkq.default_client().push("batch_test.load", [2], queue="bq", bid="sidekiq-pro-bid")
+    run_all(worker, 1)
+    assert calls == [["load", 1], ["load", 2]]
+    assert r.hlen(worker.fetch.inflight_key) == 0 and r.keys("forkq:batch:*") == []
+
+
+def test_success_fires_once_after_the_last_success_and_with_its_ack(client, r, worker):
+    batch = forkq.Batch().on_success(notify, "s").on_complete(report, "c")
+    with batch:
+        load.enqueue_many([[1], [2]])
+    run_one(worker)
+    run_one(worker)  # this claim carried the first job's ack: one of two counted
+    assert callbacks(r) == [] and forkq.batch_status(batch.bid).pending == 1
+    worker.fetch.fetch(0)  # the last ack: its success, and the callbacks, in that call
+    assert callbacks(r) == [("report", ["c"]), ("notify", ["s"])]
+    (raw,) = [j for j in r.lrange("queue:bcb", 0, -1) if b"notify" in j]
+    pushed = json.loads(raw)
+    assert type(pushed["enqueued_at"]) is float and pushed["queue"] == "bcb" and "bid" not in pushed
+    status = forkq.batch_status(batch.bid)
+    assert (status.total, status.pending, status.complete, status.success) == (2, 0, True, True)
+    # a finished batch's keys stay a day, for its status
+    assert 0 < r.ttl(f"forkq:batch:{batch.bid}") <= batch_mod.DONE_TTL_S
+    assert not r.exists(f"forkq:batch:{batch.bid}:jids")  # every job left it as it succeeded
+    worker.fetch.flush_acks()
+    assert len(callbacks(r)) == 2
+
+
+def test_nothing_fires_before_sealing_and_the_seal_fires_what_is_due(client, r, worker):
+    batch = forkq.Batch().on_success(notify, "s")
+    with batch:
+        load.enqueue(1)
+        run_all(worker, 1)  # the job ended before the batch was sealed
+        assert forkq.batch_status(batch.bid).pending == 0
+        assert callbacks(r) == []
+    assert callbacks(r) == [("notify", ["s"])]
+    assert calls == [["load", 1]]
+
+
+def test_an_empty_batch_fires_at_once(client, r):
+    with forkq.Batch().on_success(notify, "s").on_complete(report, "c") as batch:
+        pass
+    assert callbacks(r) == [("report", ["c"]), ("notify", ["s"])]
+    status = batch.status()
+    assert (status.total, status.pending, status.complete, status.success) == (0, 0, True, True)
+
+
+def test_complete_fires_with_a_failure_and_a_dead_job_keeps_success_back(client, r, worker):
+    with forkq.Batch().on_success(notify, "s").on_complete(report, "c") as batch:
+        load.enqueue(1)
+        failing = fails.enqueue(2)
+    run_all(worker, 2)  # one success, one failure scheduled to retry
+    assert callbacks(r) == [("report", ["c"])]
+    status = batch.status()
+    assert status.complete and not status.success and status.pending == 1
+    assert status.failures[failing]["error_class"] == "RuntimeError"
+    assert status.failures[failing]["error_message"] == "boom 2"
+    assert status.failures[failing]["fate"] == "retry"
+    retry_now(r)
+    run_all(worker, 1)  # its last try: dead
+    assert r.zcard("dead") == 1
+    status = batch.status()
+    assert status.failures[failing]["fate"] == "dead" and not status.success
+    assert callbacks(r) == [("report", ["c"])]  # complete once, success never
+
+
+def test_a_retried_job_that_succeeds_lets_success_fire(client, r, worker):
+    with forkq.Batch().on_success(notify, "s").on_complete(report, "c") as batch:
+        jid = flaky.enqueue("f")
+    run_all(worker, 1)
+    assert callbacks(r) == [("report", ["c"])]
+    assert list(batch.status().failures) == [jid]
+    retry_now(r)
+    run_all(worker, 1)
+    assert callbacks(r) == [("report", ["c"]), ("notify", ["s"])]
+    status = batch.status()
+    assert status.success and status.failures == {} and status.pending == 0
+
+
+def test_a_job_run_again_counts_once(client, r, worker):
+    """A job whose success was counted runs again (its claim's reply was lost and the
+    claim sent again, or a master put it back while that claim was stuck on a frozen
+    Redis): the batch holds jids, not a counter, so it counts once and fires once."""
+    with forkq.Batch().on_success(notify, "s") as batch:
+        load.enqueue_many([[1], [2]])
+    raws = list(reversed(r.lrange("queue:bq", 0, -1)))
+    run_all(worker, 1)
+    r.rpush("queue:bq", raws[0])  # the first job again, ahead of the second
+    run_all(worker, 1)
+    assert batch.status().pending == 1 and callbacks(r) == []
+    run_all(worker, 1)
+    r.rpush("queue:bq", raws[1])
+    run_all(worker, 1)
+    assert calls == [["load", 1], ["load", 1], ["load", 2], ["load", 2]]
+    assert callbacks(r) == [("notify", ["s"])]
+    assert batch.status().total == 2 and batch.status().pending == 0
+
+
+def test_a_kill_before_the_ack_loses_no_count(client, r, worker):
+    """The child dies after the job ran, before its ack went out: the count was not sent
+    either (they travel together), the requeue puts the job back, and its rerun counts."""
+    with forkq.Batch().on_success(notify, "s") as batch:
+        load.enqueue(1)
+    (unit,) = worker.fetch.fetch(1)
+    (processor,) = worker.processors
+    after = processor.process(unit)
+    worker.done(unit.token, after)  # queued; the process dies before its next claim
+    assert batch.status().pending == 1
+    requeue_owner_counts(r, worker.fetch.identity, ["bq"])
+    fresh = hand_driven(forkq.default_client().url, "bq", "test:2:batch0000000b")
+    try:
+        run_all(fresh, 1)
+    finally:
+        fresh.fetch.close()
+    assert calls == [["load", 1], ["load", 1]] and callbacks(r) == [("notify", ["s"])]
+
+
+def test_the_count_and_the_ack_go_in_one_call_however_threads_interleave(client, r, worker):
+    """A claim takes the queued acks while a processor queues its own: the ack and its
+    batch count are one entry, so a claim carries both or neither (an ack sent alone
+    would lose the count for good: the job never runs again)."""
+    with forkq.Batch().on_success(notify, "s") as batch:
+        load.enqueue(1)
+    (unit,) = worker.fetch.fetch(1)
+    after = worker.processors[0].process(unit)
+    fetch = worker.fetch
+    take_acks = fetch._take_acks
+
+    def interleaved(limit):
+        # the processor's thread, after the claim looked for acks with actions and before
+        # it takes the plain acks
+        fetch._take_acks = take_acks
+        worker.done(unit.token, after)
+        return take_acks(limit)
+
+    fetch._take_acks = interleaved
+    fetch.fetch(0)
+    in_flight = r.hlen(fetch.inflight_key)
+    assert in_flight == 1 or batch.status().pending == 0, "ack sent without its count"
+    fetch.flush_acks()
+    assert r.hlen(fetch.inflight_key) == 0 and callbacks(r) == [("notify", ["s"])]
+    assert fetch.unsent_acks() == []
+
+
+def test_two_processes_ending_the_last_two_jobs_at_once_fire_once(client, r, redis_url):
+    """Two children's claims carry the batch's last two successes at the same moment."""
+    managers = [hand_driven(redis_url, "bq", f"test:{i}:batch000000{i}c") for i in (1, 2)]
+    try:
+        for round_ in range(10):
+            with forkq.Batch().on_success(notify, str(round_)):
+                load.enqueue_many([[1], [2]])
+            for m in managers:
+                (unit,) = m.fetch.fetch(1)
+                m.done(unit.token, m.processors[0].process(unit))
+            gate = threading.Barrier(2)
+
+            def ack(m):
+                gate.wait()
+                m.fetch.fetch(0)
+            threads = [threading.Thread(target=ack, args=(m,)) for m in managers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(5)
+        assert sorted(args[0] for _, args in callbacks(r)) == sorted(str(i) for i in range(10))
+    finally:
+        for m in managers:
+            m.fetch.close()
+
+
+def test_an_exception_inside_abandons_the_batch(client, r, worker):
+    batch = forkq.Batch().on_success(notify, "s").on_complete(report, "c")
+    with pytest.raises(ZeroDivisionError):
+        with batch:
+            load.enqueue(1)
+            1 / 0
+    run_all(worker, 1)  # what was pushed still runs
+    status = batch.status()
+    assert status.abandoned and not status.sealed and status.pending == 0
+    assert not status.complete and callbacks(r) == []
+    with pytest.raises(RuntimeError, match="abandoned"):
+        batch.on_success(notify, "again")
+    assert load.enqueue(2) and "bid" not in json.loads(r.lindex("queue:bq", 0))
+
+
+def test_a_poison_job_counts_as_failed(client, r):
+    identity = "test:1:poisonbatch00"
+    with forkq.Batch().on_complete(report, "c") as batch:
+        jid = load.enqueue(1)
+    r.hset(f"forkq:inflight:{identity}", "1\nbq", r.rpop("queue:bq"))
+    assert requeue_owner_counts(r, identity, ["bq"], crashed=True, poison_after=1).poisoned == 1
+    assert batch.status().failures[jid]["error_class"] == "forkq.PoisonJob"
+    assert callbacks(r) == [("report", ["c"])]
+
+
+def test_an_expired_job_counts_as_failed(client, r, worker):
+    with forkq.Batch().on_success(notify, "s").on_complete(report, "c") as batch:
+        jid = load.options(expires_at=1.0).enqueue(1)  # long past
+    run_all(worker, 1)
+    assert calls == [] and batch.status().failures[jid]["fate"] == "expired"
+    assert callbacks(r) == [("report", ["c"])]
+
+
+def test_misuse_is_refused_and_pushes_nothing(client, r):
+    unique = load.options(unique_for=60)
+    with pytest.raises(ValueError, match="unique jobs cannot join a batch"):
+        with forkq.Batch():
+            unique.enqueue(1)
+    with pytest.raises(RuntimeError, match="do not nest"):
+        with forkq.Batch():
+            with forkq.Batch():
+                pass
+    with pytest.raises(TypeError, match="takes 1 positional argument"):
+        forkq.Batch().on_success(notify)
+    with pytest.raises(ValueError, match="cannot be unique"):
+        forkq.Batch().on_success(notify.options(unique_for=5), "x")
+    with forkq.Batch() as sealed:
+        pass
+    with pytest.raises(RuntimeError, match="sealed"):
+        sealed.on_complete(report, "late")
+    with pytest.raises(RuntimeError, match="opened once"):
+        with sealed:
+            pass
+    assert r.llen("queue:bq") == 0 and r.keys("unique:*") == []
+    assert forkq.batch_status("no-such-batch") is None
+
+
+def test_a_middleware_dropping_a_job_leaves_it_out_of_the_batch(redis_url, r):
+    forkq.configure(redis_url, middleware=[lambda j: None if j["args"] == [2] else j])
+    try:
+        with forkq.Batch().on_success(notify, "s") as batch:
+            load.enqueue_many([[1], [2], [3]])
+        assert batch.status().total == 2 and r.llen("queue:bq") == 2
+    finally:
+        forkq.client._default = None
+
+
+def test_the_ttls_in_lua_are_the_pythons():
+    text = (Path(batch_mod.__file__).parent / "scripts" / "_batch.lua").read_text()
+    assert int(re.search(r"BATCH_TTL = (\d+)", text).group(1)) == batch_mod.TTL_S
+    assert int(re.search(r"BATCH_DONE_TTL = (\d+)", text).group(1)) == batch_mod.DONE_TTL_S
+
+
+def test_test_modes_run_callbacks_after_the_jobs_without_redis(client, r):
+    with testing.inline():
+        with forkq.Batch().on_success(notify, "s"):
+            load.enqueue(1)
+            load.enqueue_many([[2]])
+    assert calls == [["load", 1], ["load", 2], ["notify", "s"]]
+    calls.clear()
+    with testing.fake() as jobs:
+        with forkq.Batch().on_complete(report, "c") as batch:
+            load.enqueue(3)
+        assert [j["class"] for j in jobs] == ["batch_test.load", "batch_test.report"]
+        assert jobs.of(load)[0]["bid"] == batch.bid
+        assert jobs.drain() == 2
+    assert calls == [["load", 3], ["report", "c"]]
+    assert r.keys("forkq:batch:*") == []
+
+
+@pytest.mark.timeout(60)
+def test_a_real_master_fires_once_across_children_and_a_sigkill(start_master, redis_url, r):
+    """Two children share a batch; one is SIGKILLed while its job runs: the job runs again
+    in the child that replaces it, and the callback runs once, after every job."""
+    m = start_master(processes=2, concurrency=1)
+    pids = set(m.wait_slots().values())
+    pusher = forkq.Client(redis_url)
+    batch = forkq.Batch(client=pusher)
+    batch.on_success(forkq.jobs.lookup("sup.quick") or _sup_quick(), "batch-done")
+    with batch:
+        pusher.push("sup.sleep", ["victim", 1.0])
+        pusher.push("sup.sleep", ["a", 0.2])
+        pusher.push("sup.sleep", ["b", 0.2])
+    (start,) = wait_event(r, m, "start", "victim")
+    assert start["pid"] in pids
+    os.kill(start["pid"], signal.SIGKILL)
+    wait_event(r, m, "done", "batch-done", timeout=20)
+    assert [e["tag"] for e in sup_events(r, "done")][-1] == "batch-done"
+    assert len(sup_events(r, "start", "victim")) == 2 and len(sup_events(r, "done", "victim")) == 1
+    status = batch.status()
+    assert status.success and status.total == 3 and status.pending == 0
+    wait_until(lambda: r.llen("queue:default") == 0, timeout=5)
+    assert len(sup_events(r, "done", "batch-done")) == 1
+
+
+def _sup_quick():
+    """sup.quick as the master's app registers it (tests/apps/supervised_jobs.py), for
+    building the callback's payload here."""
+    @forkq.job(name="sup.quick", retry=0)
+    def quick_job(tag):
+        pass
+    return quick_job
