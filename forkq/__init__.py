@@ -18,7 +18,7 @@ from .errors import (ConfigError, ForkqError, JobFailed, MalformedPayload, Parti
 from .hooks import on_fork, server_middleware, slot_index
 
 if TYPE_CHECKING:
-    from .batch import Batch, BatchStatus, batch_status
+    from .batch import Batch, BatchStatus, batch_status, current_batch
     from .client import Client, configure, default_client
     from .cron import CronError, periodic
     from .jobs import Job, job
@@ -26,10 +26,11 @@ if TYPE_CHECKING:
     from .results import result
 
 __all__ = [
-    "Batch", "BatchStatus", "batch_status", "Client", "ConfigError", "CronError", "ForkqError", "Job", "JobFailed", "JobFields", "MalformedPayload",
+    "Client", "ConfigError", "CronError", "ForkqError", "Job", "JobFailed", "JobFields", "MalformedPayload",
     "PartialEnqueue", "RedisUnavailable", "ResultNotReady", "TimeLimitExceeded", "UnknownJob", "UnstorableResult",
     "configure", "current_job", "default_client", "job", "on_fork", "periodic", "result", "server_middleware",
     "slot_index",
+    "Batch", "BatchStatus", "batch_status", "current_batch",
 ]
 __version__ = "0.1.0"
 
@@ -38,7 +39,8 @@ __version__ = "0.1.0"
 _LAZY = {"Client": "client", "configure": "client", "default_client": "client",
          "Job": "jobs", "job": "jobs", "JobFields": "logs", "current_job": "logs",
          "CronError": "cron", "periodic": "cron", "result": "results",
-         "Batch": "batch", "BatchStatus": "batch", "batch_status": "batch"}
+         "Batch": "batch", "BatchStatus": "batch", "batch_status": "batch",
+         "current_batch": "batch"}
 # `import forkq` used to import these too, so forkq.client.connect or forkq.jobs.REGISTRY
 # worked without importing them by name
 _SUBMODULES = {"client", "jobs", "logs", "payload", "keys", "wire", "cron", "results"}

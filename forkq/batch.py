@@ -66,7 +66,9 @@ class Batch:
         self.description = description
         self._client = client
         self._callbacks: dict[str, tuple[str, str]] = {}  # event -> (payload text, queue)
-        self._state = "new"  # new, open, sealed, abandoned (or unsealed: the seal failed)
+        # new, open, sealed, abandoned, unsealed (the seal failed), or reopened (see
+        # current_batch: entered and left any number of times, writing nothing itself)
+        self._state = "new"
         self._token: contextvars.Token | None = None
 
     def __repr__(self) -> str:
@@ -105,9 +107,13 @@ class Batch:
 
     # -- the with block -----------------------------------------------------------------
     def __enter__(self) -> "Batch":
+        outer = _open.get()
+        if self._state == "reopened" and (outer is None or outer.bid == self.bid):
+            self._token = _open.set(self)
+            return self
         if self._state != "new":
             raise RuntimeError(f"batch {self.bid} is {self._state}: a batch is opened once")
-        if _open.get() is not None:
+        if outer is not None:
             raise RuntimeError("a batch is already open here: batches do not nest")
         from . import client as client_module
         if client_module.test_push is None:
@@ -123,6 +129,8 @@ class Batch:
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         _open.reset(self._token)
         self._token = None
+        if self._state == "reopened":
+            return  # sealed long ago: what was pushed joined it, error or not
         if kind is None:
             self._seal()
         else:
@@ -191,6 +199,25 @@ class Batch:
 
     def status(self) -> "BatchStatus | None":
         return batch_status(self.bid, client=self._client)
+
+
+def current_batch(client: "Client | None" = None) -> Batch | None:
+    """The batch of the job this thread is running, reopened: pushes inside
+    `with forkq.current_batch():` join it. None outside a job, or in a job of no batch.
+
+    Safe because the running job has not succeeded yet: its own jid holds the batch's
+    success back until the jobs it adds are counted (they join in the MULTI that pushes
+    them, before this job can be acknowledged). `complete` that already fired (every other
+    job had failed once) does not fire again."""
+    from .logs import current_job
+    job = current_job()
+    bid = None if job is None else job.get("bid")
+    if type(bid) is not str or not bid:
+        return None
+    reopened = Batch(client=client)
+    reopened.bid = bid
+    reopened._state = "reopened"
+    return reopened
 
 
 # -- the worker's side -------------------------------------------------------------------

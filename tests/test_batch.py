@@ -47,6 +47,14 @@ def flaky(tag: str) -> None:
     calls.append(["flaky", tag])
 
 
+@forkq.job(queue="bq", name="batch_test.fan_out")
+def fan_out(n: int) -> None:
+    """Adds n jobs to its own batch, as a job that finds more work does."""
+    calls.append(["fan_out", n])
+    with forkq.current_batch():
+        load.enqueue_many([[i] for i in range(n)])
+
+
 @forkq.job(queue="bcb", name="batch_test.notify")
 def notify(tag: str) -> None:
     calls.append(["notify", tag])
@@ -294,6 +302,19 @@ def test_two_processes_ending_the_last_two_jobs_at_once_fire_once(client, r, red
             m.fetch.close()
 
 
+def test_a_job_adds_jobs_to_its_own_batch_and_success_waits_for_them(client, r, worker):
+    assert forkq.current_batch() is None  # outside any job
+    with forkq.Batch().on_success(notify, "s") as batch:
+        fan_out.enqueue(2)
+    run_all(worker, 1)  # fan_out succeeded: its jobs were counted before its ack
+    status = batch.status()
+    assert (status.total, status.pending, status.success) == (3, 2, False)
+    assert callbacks(r) == []
+    run_all(worker, 2)
+    assert calls == [["fan_out", 2], ["load", 0], ["load", 1]]
+    assert callbacks(r) == [("notify", ["s"])] and batch.status().total == 3
+
+
 def test_an_exception_inside_abandons_the_batch(client, r, worker):
     batch = forkq.Batch().on_success(notify, "s").on_complete(report, "c")
     with pytest.raises(ZeroDivisionError):
@@ -371,8 +392,8 @@ def test_test_modes_run_callbacks_after_the_jobs_without_redis(client, r):
     with testing.inline():
         with forkq.Batch().on_success(notify, "s"):
             load.enqueue(1)
-            load.enqueue_many([[2]])
-    assert calls == [["load", 1], ["load", 2], ["notify", "s"]]
+            fan_out.enqueue(1)  # its push, inside the job, joins this batch too
+    assert calls == [["load", 1], ["fan_out", 1], ["load", 0], ["notify", "s"]]
     calls.clear()
     with testing.fake() as jobs:
         with forkq.Batch().on_complete(report, "c") as batch:
