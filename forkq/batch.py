@@ -99,6 +99,10 @@ class Batch:
         if "unique_for" in job.options:
             raise ValueError(f"{job.job.name}: a batch callback cannot be unique (it is pushed "
                              "once already); use .options(unique_for=None)")
+        if "expires_in" in job.options:
+            # stamped into expires_at by a client's push, which a callback never goes through
+            raise ValueError(f"{job.job.name}: a batch callback cannot expire; use "
+                             ".options(expires_in=None)")
         checked = payload.check_args(list(args))
         job.job.check_arity(checked)
         (built,) = job._build([checked])

@@ -361,6 +361,8 @@ def test_misuse_is_refused_and_pushes_nothing(client, r):
         forkq.Batch().on_success(notify)
     with pytest.raises(ValueError, match="cannot be unique"):
         forkq.Batch().on_success(notify.options(unique_for=5), "x")
+    with pytest.raises(ValueError, match="cannot expire"):
+        forkq.Batch().on_complete(report.options(expires_in=60), "x")
     with forkq.Batch() as sealed:
         pass
     with pytest.raises(RuntimeError, match="sealed"):
