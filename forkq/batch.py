@@ -106,7 +106,7 @@ class Batch:
         checked = payload.check_args(list(args))
         job.job.check_arity(checked)
         (built,) = job._build([checked])
-        self._callbacks[event] = (payload.dumps(built), built["queue"])
+        self._callbacks[event] = (payload.dumps(built), payload.check_queue(built["queue"]))
         return self
 
     # -- the with block -----------------------------------------------------------------
