@@ -8,6 +8,7 @@ import argparse
 import math
 import re
 import sys
+import time
 from typing import Any
 
 from . import config
@@ -57,6 +58,11 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-r", "--require", action="append", metavar="MODULE_OR_PATH", type=nonempty,
                    help="the app's module or .py file that declares them, as forkq start takes it "
                         "(repeatable; default: start's require setting) [env FORKQ_REQUIRE]")
+    p = sub.add_parser("batch", parents=[common],
+                       help="a batch's status: its counts, callbacks fired, and its jobs' failures")
+    p.add_argument("bid", type=nonempty, help="the batch's id (forkq.Batch().bid)")
+    p.add_argument("--limit", type=whole_number("--limit", 1, LIMIT_MAX), default=100,
+                   help="show at most this many failures (default 100)")
     for name, actions in SET_ACTIONS.items():
         p = sub.add_parser(name, help=f"list or act on the {name} set")
         verbs = p.add_subparsers(dest="action", required=True, parser_class=ArgumentParser)
@@ -80,7 +86,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
                               help=argparse.SUPPRESS if verb in RUN_VERBS else MALFORMED_HELP)
 
 
-COMMANDS = ("stats", "queues", "processes", "busy", "suspects", "cron", *SET_ACTIONS)
+COMMANDS = ("stats", "queues", "processes", "busy", "suspects", "cron", "batch", *SET_ACTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         conn = api.connect(url)
         if args.command in SET_ACTIONS:
             return _set_command(conn, args)
+        if args.command == "batch":
+            return _batch(conn, args)
         data, table = {"stats": _stats, "queues": _queues, "processes": _processes,
                        "busy": _busy, "suspects": _suspects, "cron": _cron}[args.command](conn, args)
     except redis_errors() as exc:
@@ -180,6 +188,32 @@ def _stats(conn, args):
                                     s.retries, s.dead, s.processes]])
     table += [""] + _table(["day (UTC)", "processed", "failed"], [list(h) for h in s.history])
     return data, table
+
+
+def _batch(conn, args) -> int:
+    from dataclasses import asdict
+    from . import batch
+    status = batch.read_status(conn, args.bid)
+    if status is None:
+        sys.stderr.write(f"forkq: no batch {_printable(args.bid)!r} in Redis (never opened, or "
+                         "expired: a batch's keys go 24 hours after it succeeded, 30 days after "
+                         "its latest job ended)\n")
+        return 1
+    state = ("succeeded" if status.success else "complete" if status.complete
+             else "abandoned" if status.abandoned else "running" if status.sealed else "open")
+    failures = sorted(status.failures.items(), key=lambda item: item[1].get("at") or 0)
+    now = time.time()
+    table = _table(["bid", "description", "state", "total", "pending", "failed", "age"],
+                   [[status.bid, status.description, state, status.total, status.pending,
+                     len(failures), _age(now - status.created_at)]])
+    if failures:
+        table += [""] + _table(["jid", "fate", "error", "message"], [
+            [jid, f.get("fate"), f.get("error_class"), f.get("error_message")]
+            for jid, f in failures[:args.limit]])
+        if len(failures) > args.limit:
+            table.append(f"... {len(failures) - args.limit} more (--limit)")
+    _emit(args, dict(asdict(status), state=state), table)
+    return 0
 
 
 def _queues(conn, args):

@@ -306,7 +306,11 @@ class BatchStatus:
 def batch_status(bid: str, client: "Client | None" = None) -> BatchStatus | None:
     """A batch's status, or None if Redis has none (never opened, or expired)."""
     from .client import default_client
-    r = (client or default_client()).redis
+    return read_status((client or default_client()).redis, bid)
+
+
+def read_status(r: "redis.Redis", bid: str) -> BatchStatus | None:
+    """batch_status on a redis.Redis of one's own (`forkq batch`, forkq.api users)."""
     b = key(bid)
     pipe = r.pipeline(transaction=True)
     pipe.hgetall(b)

@@ -273,3 +273,24 @@ def test_a_kill_past_the_dead_sets_limit_says_how_many_were_dropped(r, redis_url
                           "entries (none older than 180 days): its 3 oldest were dropped\n")
     assert ok_json("schedule", "kill", "--all") == {"set": "schedule", "action": "kill", "count": 0,
                                                     "dropped": 0}
+
+
+@pytest.mark.timeout(30)
+def test_batch_prints_a_batchs_state_and_failures_and_refuses_an_unknown_one(r, redis_url):
+    from forkq import batch
+    client = forkq.Client(redis_url)
+    b = forkq.Batch(description="nightly import", client=client)
+    with b:
+        first, _ = client.push_bulk("Import", [[1], [2]])
+    batch.record_failure(r, {"bid": b.bid, "jid": first}, "ValueError", "bad \x1b[31mrow", "retry")
+    out = run("batch", b.bid, url=redis_url)
+    assert out.returncode == 0, out.stderr
+    summary, failure = out.stdout.splitlines()[1], out.stdout.splitlines()[4]
+    assert summary.split()[:7] == [b.bid, "nightly", "import", "running", "2", "2", "1"], out.stdout
+    assert first in failure and "ValueError" in failure and "\x1b" not in out.stdout
+    data = ok_json("batch", b.bid)
+    assert (data["state"], data["total"], data["pending"], data["sealed"]) == ("running", 2, 2, True)
+    assert data["failures"][first]["error_message"] == "bad \x1b[31mrow"
+    missing = run("batch", "no-such-bid", url=redis_url)
+    assert missing.returncode == 1 and missing.stdout == ""
+    assert missing.stderr.startswith("forkq: no batch 'no-such-bid' in Redis") and missing.stderr.count("\n") == 1
