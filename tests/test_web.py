@@ -189,6 +189,27 @@ def test_search_finds_by_jid_and_by_class_across_sets(browser, r, redis_url):
     assert jids_on(browser.get("/search?q=NoSuchThing")) == []
 
 
+@pytest.mark.timeout(30)
+def test_a_batch_page_shows_its_counts_and_escaped_failures_and_its_jobs_link_to_it(browser, r, redis_url):
+    from forkq import batch
+    client = forkq.Client(redis_url)
+    b = forkq.Batch(description="import <b>42</b>", client=client)
+    with b:
+        first, second = client.push_bulk("Import", [[1], [2]])
+    batch.record_failure(r, {"bid": b.bid, "jid": first}, "ValueError",
+                         "bad <script>x</script>\x1b[31m", "dead")
+    fill(r, "dead", [dead_job(1, jid=first, bid=b.bid)])
+    page = browser.get(f"/batches/{b.bid}")
+    assert page.status == 200, page
+    assert "running" in page.text and "import &lt;b&gt;42&lt;/b&gt;" in page.text
+    assert "&lt;script&gt;" in page.text and "<script>x" not in page.text and "\x1b" not in page.text
+    assert first in page.text and second not in page.text  # only the failed one is listed
+    link = f'href="/batches/{b.bid}"'
+    assert link in browser.get(job_link(browser.get("/dead"), "dead")).text
+    assert link in browser.get(f"/search?q={b.bid}").text
+    assert browser.get("/batches/no-such-bid").status == 404
+
+
 # -- one job's page -------------------------------------------------------------------
 
 

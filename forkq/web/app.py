@@ -114,6 +114,7 @@ class Dashboard:
         self.param_routes: dict[tuple[str, str], Callable[[Request, str], Response]] = {
             ("GET", "/queues/"): lambda r, name: views.queue_page(self, r, name),
             ("POST", "/queues/"): lambda r, name: views.queue_action(self, r, name),
+            ("GET", "/batches/"): lambda r, bid: views.batch_page(self, r, bid),
         }
         for slug in views.SETS:
             self.routes[("GET", f"/{slug}")] = lambda r, s=slug: views.set_page(self, r, s)

@@ -16,7 +16,7 @@ import zlib
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from .. import api, control, keys
+from .. import api, batch, control, keys
 from .wsgi import BadRequest, Request, Response
 
 if TYPE_CHECKING:
@@ -39,6 +39,8 @@ def label(slug: str, action: str) -> str:
 
 
 SEARCH_LIMIT = 50  # per set: a search scans pages until it has this many hits
+# a batch page lists this many of its jobs' failures, the oldest first
+BATCH_FAILURES_SHOWN = 500
 
 
 def overview(dash: "Dashboard", req: Request) -> Response:
@@ -250,7 +252,7 @@ PAYLOAD_LIMIT = 200_000     # characters of the whole payload under "payload"
 TIMES = (("created_at", "Created"), ("enqueued_at", "Enqueued"), ("failed_at", "Failed"),
          ("retried_at", "Retried"))
 SHOWN = {"class", "wrapped", "args", "jid", "queue", "retry_count", "error_class",
-         "error_message", "error_backtrace"} | {name for name, _ in TIMES}
+         "error_message", "error_backtrace", "bid"} | {name for name, _ in TIMES}
 # what the score of each set's entries means
 SCORE_LABELS = {"retries": "Next retry", "scheduled": "Scheduled for", "dead": "Died"}
 
@@ -321,14 +323,30 @@ def job_page(dash: "Dashboard", req: Request, slug: str, key: str) -> Response:
                        backtrace_problem=problem, actions=SET_ACTIONS[slug], now=time.time())
 
 
+def batch_page(dash: "Dashboard", req: Request, bid: str) -> Response:
+    """A batch's status (forkq.batch_status): its counts, its callbacks' state, and the
+    last failure of each of its jobs that has not succeeded since."""
+    status = batch.read_status(dash.redis(), bid)
+    if status is None:
+        return dash.render(req, "error.html", status="404 Not Found", back=("/", "Overview"),
+                           message=f"There is no batch {visible(capped(bid, 200))} in Redis: never "
+                                   "opened, or expired (24 hours after it succeeded, 30 days "
+                                   "after its latest job ended).")
+    failures = sorted(status.failures.items(), key=lambda item: item[1].get("at") or 0)
+    return dash.render(req, "batch.html", batch=status, failures=failures[:BATCH_FAILURES_SHOWN],
+                       more_failures=max(0, len(failures) - BATCH_FAILURES_SHOWN), now=time.time())
+
+
 def search(dash: "Dashboard", req: Request) -> Response:
     """Entries of the three sets, and running jobs, whose jid or class is the query. A jid
     is not indexed, so this is a paged scan that stops at SEARCH_LIMIT hits per set."""
     q = req.arg("q").strip()
     results: list[tuple[str, str, list[api.Entry]]] = []
     running: list[api.RunningJob] = []
+    found_batch = None
     if q:
         conn = dash.redis()
+        found_batch = batch.read_status(conn, q)
         needle = q.encode()
         def hit(entry: api.Entry) -> bool:
             if needle not in entry.raw:  # cheap bytes test before looking at the job
@@ -340,7 +358,7 @@ def search(dash: "Dashboard", req: Request) -> Response:
             results.append((slug, title, found))
         running = [j for j in api.running(conn) if j.job and (
             j.job.get("jid") == q or j.job.get("class") == q or j.job.get("wrapped") == q)]
-    return dash.render(req, "search.html", q=q, results=results, running=running,
+    return dash.render(req, "search.html", q=q, results=results, running=running, batch=found_batch,
                        actions=SET_ACTIONS, key=entry_key, now=time.time(), limit=SEARCH_LIMIT)
 
 
