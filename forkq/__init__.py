@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import (ConfigError, ForkqError, JobFailed, MalformedPayload, PartialEnqueue,
+from .errors import (ConfigError, ForkqError, JobFailed, MalformedPayload, OverLimit, PartialEnqueue,
                      RedisUnavailable, ResultNotReady, TimeLimitExceeded, UnknownJob, UnstorableResult)
 from .hooks import on_fork, server_middleware, slot_index
 
@@ -27,9 +27,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Client", "ConfigError", "CronError", "ForkqError", "Job", "JobFailed", "JobFields", "MalformedPayload",
-    "PartialEnqueue", "RedisUnavailable", "ResultNotReady", "TimeLimitExceeded", "UnknownJob", "UnstorableResult",
-    "configure", "current_job", "default_client", "job", "on_fork", "periodic", "result", "server_middleware",
-    "slot_index",
+    "OverLimit", "PartialEnqueue", "RedisUnavailable", "ResultNotReady", "TimeLimitExceeded", "UnknownJob",
+    "UnstorableResult", "configure", "current_job", "default_client", "job", "on_fork", "periodic", "result",
+    "server_middleware", "slot_index",
     "Batch", "BatchStatus", "batch_status", "current_batch",
 ]
 __version__ = "0.1.0"
@@ -43,7 +43,7 @@ _LAZY = {"Client": "client", "configure": "client", "default_client": "client",
          "current_batch": "batch"}
 # `import forkq` used to import these too, so forkq.client.connect or forkq.jobs.REGISTRY
 # worked without importing them by name
-_SUBMODULES = {"client", "jobs", "logs", "payload", "keys", "wire", "cron", "results"}
+_SUBMODULES = {"client", "jobs", "logs", "payload", "keys", "wire", "cron", "results", "limiter"}
 
 
 def __getattr__(name: str) -> Any:

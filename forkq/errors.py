@@ -51,6 +51,16 @@ class TimeLimitExceeded(BaseException):
     job fails with it and is retried as any failure is."""
 
 
+class OverLimit(ForkqError):
+    """A rate limiter (forkq.limiter) stayed full for its whole `wait_timeout`. `limiter` is
+    its name. Escaping a job, it does not count as a failure: the worker schedules the job
+    again later (see the README's "Rate limiters")."""
+
+    def __init__(self, message: str, limiter: str) -> None:
+        super().__init__(message)
+        self.limiter = limiter
+
+
 class ResultNotReady(ForkqError, TimeoutError):
     """forkq.result() found no result for the job by its deadline: the job has not
     finished, waits to retry, was pushed without keep_result, or its result expired."""

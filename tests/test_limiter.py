@@ -1,0 +1,198 @@
+"""Rate limiters (forkq.limiter) and the worker's answer to forkq.OverLimit.
+
+In-process against the shared redis-server: limiters driven from threads and a forked
+process, so each test takes well under a second.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+
+import pytest
+import redis
+
+import forkq
+from forkq import keys, limiter, testing
+from helpers import wait_until
+
+HOLDERS = "limtest:holders"
+SEEN = "limtest:seen"
+ran: list[str] = []
+
+
+@pytest.fixture
+def client(redis_url):
+    ran.clear()
+    return forkq.Client(redis_url)
+
+
+def hold_many(lim: limiter.Concurrent, url: str, times: int, threads: int) -> None:
+    """`threads` threads each take the limiter `times` times, noting in Redis how many
+    held it at each entry."""
+    def work():
+        r = redis.Redis.from_url(url)
+        for _ in range(times):
+            with lim:
+                r.rpush(SEEN, r.incr(HOLDERS))
+                time.sleep(0.005)
+                r.decr(HOLDERS)
+        r.close()
+    pool = [threading.Thread(target=work) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(20)
+
+
+def seen(r) -> list[int]:
+    return [int(n) for n in r.lrange(SEEN, 0, -1)]
+
+
+# -- concurrent ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_threads_of_two_processes_never_hold_more_than_size(client, redis_url, r):
+    lim = limiter.concurrent("pay", 3, wait_timeout=20, client=client)
+    lim.acquire().release()  # the parent has a connection before the fork: the child must not use it
+    pid = os.fork()
+    if pid == 0:  # the child: its own threads on the same limiter object
+        code = 1
+        try:
+            hold_many(lim, redis_url, times=8, threads=4)
+            code = 0
+        finally:
+            os._exit(code)
+    hold_many(lim, redis_url, times=8, threads=4)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    counts = seen(r)
+    assert len(counts) == 64
+    assert max(counts) == 3  # reached the size (so not one at a time), never beyond
+    assert r.zcard(lim.key) == 0 and int(r.get(HOLDERS)) == 0
+
+
+def test_a_lapsed_lease_comes_back_and_its_late_release_frees_nothing_else(client, r):
+    lim = limiter.concurrent("pay", 1, wait_timeout=0, lock_timeout=0.2, client=client)
+    stuck = lim.acquire()  # a holder that never releases (a SIGKILLed child)
+    with pytest.raises(forkq.OverLimit):
+        lim.acquire()
+    started = time.monotonic()
+
+    def take():
+        try:
+            return lim.acquire()
+        except forkq.OverLimit:
+            return None
+    fresh = wait_until(take, timeout=3, message="the lapsed lease's slot taken again")
+    assert time.monotonic() - started < 1
+    # the stuck holder comes back late: its release must not free the new holder's slot
+    assert stuck.release() is False
+    assert r.zrange(lim.key, 0, -1) == [fresh.token.encode()]
+    with pytest.raises(forkq.OverLimit):
+        lim.acquire()
+    assert fresh.release() is True and fresh.release() is False
+    assert r.zcard(lim.key) == 0
+
+
+def test_a_full_limiter_waits_its_wait_timeout_then_raises_naming_itself(client, r):
+    lim = limiter.concurrent("mailer", 1, wait_timeout=0.3, client=client)
+    with lim as lease:
+        assert 0 < r.pttl(lim.key) <= 30_000  # no key stays forever
+        started = time.monotonic()
+        with pytest.raises(forkq.OverLimit, match="'mailer'") as caught:
+            lim.acquire()
+        assert 0.3 <= time.monotonic() - started < 0.6
+        assert caught.value.limiter == "mailer"
+        # a waiter admitted when the holder leaves within its wait_timeout
+        threading.Timer(0.1, lease.release).start()
+        lim2 = limiter.concurrent("mailer", 1, wait_timeout=2, client=client)
+        lim2.acquire().release()
+    assert r.zcard(lim.key) == 0
+
+
+# -- window and bucket ----------------------------------------------------------------------
+
+
+def test_a_window_admits_count_in_any_interval(client, r):
+    lim = limiter.window("api", 3, 0.5, wait_timeout=0, client=client)
+    first = time.monotonic()
+    for _ in range(3):
+        lim.acquire()
+    started = time.monotonic()
+    with pytest.raises(forkq.OverLimit, match="'api'"):
+        lim.acquire()  # the oldest leaves in ~0.5 s, past wait_timeout: raised at once
+    assert time.monotonic() - started < 0.05
+    assert 0 < r.pttl(lim.key) <= 500
+
+    # waiting ones are admitted as entries leave: 7 in all, each admission's Redis time
+    # read back while it is still in the window
+    waiting = limiter.window("api", 3, 0.5, wait_timeout=2, client=client)
+    admitted = dict(r.zrange(lim.key, 0, -1, withscores=True))
+    for _ in range(4):
+        waiting.acquire()
+        admitted.update(r.zrange(lim.key, 0, -1, withscores=True))
+    assert time.monotonic() - first >= 0.99  # the 7th waited for the 4th to leave
+    at = sorted(admitted.values())
+    assert len(at) == 7
+    # exactly count per interval: any 4 admissions span at least 0.5 s of Redis's clock,
+    # and the waiters came in as soon as there was room (not a full extra interval later)
+    assert all(later - earlier >= 500 for earlier, later in zip(at, at[3:]))
+    assert at[3] - at[0] < 700 and at[6] - at[3] < 700
+
+
+def test_a_bucket_admits_count_per_clock_window(client, r):
+    lim = limiter.bucket("sms", 2, 0.5, wait_timeout=1, client=client)
+    lim.acquire()
+    lim.acquire()
+    window = int(r.hget(lim.key, "w"))
+    assert 0 < r.pttl(lim.key) <= 500
+    lim.acquire()  # waited for the next window, which starts counting again
+    assert int(r.hget(lim.key, "w")) == window + 1 and r.hget(lim.key, "n") == b"1"
+    assert int(r.hget(lim.key, "w")) * 500 <= float(r.time()[0]) * 1000 + r.time()[1] / 1000
+
+
+def test_named_intervals_and_repr():
+    assert limiter.window("a", 5, "minute").interval == 60
+    assert limiter.bucket("a", 5, "day").interval == 86400
+    assert "size 2" in repr(limiter.concurrent("a", 2))
+
+
+@pytest.mark.parametrize("make, bad", [
+    (lambda: limiter.concurrent("a", 0), "size"),
+    (lambda: limiter.concurrent("a", True), "size"),
+    (lambda: limiter.concurrent("a", 2.0), "size"),
+    (lambda: limiter.concurrent("", 2), "name"),
+    (lambda: limiter.concurrent("  ", 2), "name"),
+    (lambda: limiter.concurrent(None, 2), "name"),
+    (lambda: limiter.concurrent("a", 2, wait_timeout=-1), "wait_timeout"),
+    (lambda: limiter.concurrent("a", 2, wait_timeout=math.nan), "wait_timeout"),
+    (lambda: limiter.concurrent("a", 2, lock_timeout=0), "lock_timeout"),
+    (lambda: limiter.concurrent("a", 2, lock_timeout=math.inf), "lock_timeout"),
+    (lambda: limiter.concurrent("a", 2, lock_timeout=10**400), "lock_timeout"),
+    (lambda: limiter.concurrent("a", 2, client="redis://x"), "client"),
+    (lambda: limiter.window("a", 0, 1), "count"),
+    (lambda: limiter.window("a", 5, "week"), "interval"),
+    (lambda: limiter.window("a", 5, "Minute"), "interval"),
+    (lambda: limiter.window("a", 5, 0), "interval"),
+    (lambda: limiter.window("a", 5, -1), "interval"),
+    (lambda: limiter.bucket("a", 5, "1m"), "interval"),
+    (lambda: limiter.bucket("a", 5, 60, wait_timeout=-0.5), "wait_timeout"),
+])
+def test_bad_arguments_are_refused_at_construction(make, bad):
+    with pytest.raises(ValueError, match=bad):
+        make()
+
+
+def test_testing_modes_admit_everyone_without_redis():
+    nowhere = forkq.Client("redis://127.0.0.1:1/0")  # nothing listens there
+    one = limiter.concurrent("t", 1, wait_timeout=0, client=nowhere)
+    window = limiter.window("t", 1, "day", wait_timeout=0, client=nowhere)
+    for mode in (testing.fake, testing.inline):
+        with mode():
+            with one, one, window:
+                window.acquire()
+                one.acquire().release()
