@@ -11,12 +11,13 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import batch, hooks, logs, payload, results, unique
-from .errors import MalformedPayload, TimeLimitExceeded, UnknownJob
+from . import batch, hooks, keys, logs, payload, results, unique
+from .errors import MalformedPayload, OverLimit, TimeLimitExceeded, UnknownJob
 from .fetch import Unit
 from .jobs import lookup
 from .metrics import JobTable
-from .retry import MALFORMED_QUEUE, MESSAGE_LIMIT, Outcomes, dead_entry_for_malformed, message
+from .retry import (MALFORMED_QUEUE, MESSAGE_LIMIT, Outcomes, dead_entry_for_malformed, message,
+                    overlimit_count, overlimit_delay)
 from .timelimit import WATCHDOG, describe
 
 if TYPE_CHECKING:
@@ -272,6 +273,8 @@ class Processor:
             if self.manager.hard_stopped:
                 # cut off by a hard stop: the job goes back to its queue, not to retry
                 raise
+            if isinstance(exc, OverLimit) and self._over_limit(unit, exc):
+                return False  # scheduled again, or left in flight: no failure either way
             # Anything else, SystemExit and KeyboardInterrupt included, came from the job's
             # own code (signals reach only the main thread): it is that job's failure, and
             # re-raising would end this thread with the job stuck in flight.
@@ -309,6 +312,31 @@ class Processor:
             return False
         if self._log_jobs:
             log.info("done", elapsed_ms=round((time.perf_counter() - started) * 1000, 2))
+        return True
+
+    def _over_limit(self, unit: Unit, exc: OverLimit) -> bool:
+        """A job whose rate limiter stayed full: put it in the schedule to run again later,
+        without using a retry or counting a failure. False once it was put back its
+        overlimit_retries times (or cannot be written back): it then fails as any job does."""
+        job = payload.parse(unit.raw)  # as fetched, as a failure's retry is
+        delay = overlimit_delay(job)
+        if delay is None:
+            return False
+        job["queue"] = unit.queue
+        job["overlimit"] = overlimit_count(job) + 1
+        job.pop("enqueued_at", None)  # a schedule entry has none: the poller sets it
+        try:
+            # the retry's write: the schedule entry and the in-flight entry's release in one
+            # MULTI, ridden out through an outage
+            self.manager.write(functools.partial(self.outcomes.to_retry, key=keys.SCHEDULE), job, unit.token,
+                               time.time() + delay)
+        except ValueError:
+            return False  # cannot be re-encoded: the failure path parks it in the dead set
+        except Exception:
+            log.exception("could not reschedule a job over its rate limit; it stays in flight and "
+                          "will run again", jid=job.get("jid"))
+            return True
+        log.info(f"over limit: rescheduled in {delay:.0f}s", limiter=exc.limiter, overlimit=job["overlimit"])
         return True
 
     _run = staticmethod(run_job)  # a bound method would cost a call more per job

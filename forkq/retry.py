@@ -40,6 +40,35 @@ def backoff(count: int) -> float:
     return count ** 4 + 15 + jitter(count)
 
 
+# A job that raised forkq.OverLimit (a rate limiter stayed full) is scheduled again this
+# many times before its next OverLimit counts as an ordinary failure; a job's own
+# `overlimit_retries` option (a payload field) overrides it.
+OVERLIMIT_RETRIES = 20
+OVERLIMIT_FIRST_S = 5.0
+OVERLIMIT_MAX_S = 600.0
+
+
+def overlimit_count(job: dict[str, Any]) -> int:
+    """How many times a job was put back for OverLimit so far (its payload's `overlimit`)."""
+    done = job.get("overlimit")
+    return done if type(done) is int and done > 0 else 0
+
+
+def overlimit_delay(job: dict[str, Any]) -> float | None:
+    """Seconds until a job that raised OverLimit runs again, or None once it has been put
+    back its `overlimit_retries` times (it then fails as any job does). The payload's
+    `overlimit` counts the times so far. 5 s the first time, growing by half each time up
+    to 10 minutes, each drawn up to half again longer, so jobs that met a full limiter
+    together come back spread out."""
+    done, cap = overlimit_count(job), job.get("overlimit_retries")
+    cap = cap if type(cap) is int and cap >= 0 else OVERLIMIT_RETRIES
+    if done >= cap:
+        return None
+    # capped before the power: a payload's huge count must not overflow a float
+    base = OVERLIMIT_FIRST_S * 1.5 ** min(done, 20)
+    return min(base, OVERLIMIT_MAX_S) * random.uniform(1.0, 1.5)
+
+
 def retry_option(job: dict[str, Any], jobdef: "Job | None" = None) -> Any:
     """The payload's `retry`; a payload without one (pushed by a bare Sidekiq-format client)
     takes the registered job's option, and an unknown job keeps Sidekiq's default of
@@ -178,9 +207,12 @@ class Outcomes:
                             now - keys.DEAD_TIMEOUT_S, keys.DEAD_MAX_JOBS, *(lock or ())],
                       client=client)
 
-    def to_retry(self, job: dict[str, Any], token: str, at: float, client: Any = None) -> None:
+    def to_retry(self, job: dict[str, Any], token: str, at: float, client: Any = None,
+                 key: str = keys.RETRY) -> None:
+        """Put a job in the retry set (or, with key=keys.SCHEDULE, the schedule) to run at
+        `at`, and release its in-flight entry in the same MULTI (`client`'s, if given)."""
         pipe = self.redis.pipeline(transaction=True) if client is None else client
-        pipe.zadd(keys.RETRY, {payload.dumps(job): at})
+        pipe.zadd(key, {payload.dumps(job): at})
         pipe.hdel(self.inflight_key, token)
         if client is None:
             pipe.execute()

@@ -1,11 +1,13 @@
 """Rate limiters (forkq.limiter) and the worker's answer to forkq.OverLimit.
 
 In-process against the shared redis-server: limiters driven from threads and a forked
-process, so each test takes well under a second.
+process, and a hand-driven Manager (corekit) for the worker's side, so each test takes
+well under a second. One test runs a real master with two children.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import threading
@@ -16,6 +18,9 @@ import redis
 
 import forkq
 from forkq import keys, limiter, testing
+from forkq.scheduler import Scheduler
+from corekit import hand_driven, run_one
+from test_supervisor import REPO_ROOT, start_master  # noqa: F401 (a fixture)
 from helpers import wait_until
 
 HOLDERS = "limtest:holders"
@@ -196,3 +201,111 @@ def test_testing_modes_admit_everyone_without_redis():
             with one, one, window:
                 window.acquire()
                 one.acquire().release()
+
+
+# -- the worker's side ----------------------------------------------------------------------
+
+
+@forkq.job(queue="lim", name="limiter_test.limited", retry=3)
+def limited(tag: str) -> None:
+    # wait_timeout 0 and a window already full: raises OverLimit at once
+    with limiter.window("lim-test", 1, 60, wait_timeout=0, client=forkq.Client()):
+        ran.append(tag)
+
+
+@forkq.job(queue="lim", name="limiter_test.over", retry=3, overlimit_retries=2)
+def over(tag: str) -> None:
+    raise forkq.OverLimit("rate limiter 'x' stayed full", "x")
+
+
+@pytest.fixture
+def worker(redis_url, r):
+    manager = hand_driven(redis_url, "lim", "test:1:000000000001")
+    yield manager
+    manager.fetch.close()
+
+
+def scheduled(r) -> list[tuple[dict, float]]:
+    return [(json.loads(raw), at) for raw, at in r.zrange(keys.SCHEDULE, 0, -1, withscores=True)]
+
+
+def test_over_limit_reschedules_without_a_retry_and_runs_later(client, r, worker):
+    secs, micros = r.time()
+    r.zadd("forkq:limiter:lim-test:window", {"someone": secs * 1000 + micros // 1000})  # full
+    jid = limited.options(client=client).enqueue("a")
+    before = time.time()
+    run_one(worker)
+    (processor,) = worker.processors
+    assert ran == [] and processor.failed == 0
+    ((job, at),) = scheduled(r)
+    assert job["jid"] == jid and job["overlimit"] == 1 and job["queue"] == "lim"
+    assert "retry_count" not in job and "error_class" not in job and "enqueued_at" not in job
+    assert before + 5 <= at <= time.time() + 7.5
+    assert r.zcard(keys.RETRY) == 0 and r.hlen(worker.fetch.inflight_key) == 0
+
+    # room again; the job comes back on its queue when due, and runs
+    r.delete("forkq:limiter:lim-test:window")
+    assert Scheduler(r, worker.outcomes).poll(now=at + 1) == 1
+    run_one(worker)
+    assert ran == ["a"] and processor.failed == 0 and r.zcard(keys.SCHEDULE) == 0
+
+
+def test_after_its_overlimit_retries_an_over_limit_is_an_ordinary_failure(client, r, worker):
+    over.options(client=client).enqueue("b")
+    (processor,) = worker.processors
+    delays = []
+    for n in (1, 2):
+        run_one(worker)
+        ((job, at),) = scheduled(r)
+        assert job["overlimit"] == n and "retry_count" not in job
+        delays.append(at - time.time())
+        r.delete(keys.SCHEDULE)
+        r.lpush("queue:lim", json.dumps(job))
+    assert delays[1] > 5 * 1.5 - 0.5  # the wait grows
+    assert processor.failed == 0
+    run_one(worker)  # the third: a failure, with a retry used
+    assert r.zcard(keys.SCHEDULE) == 0 and processor.failed == 1
+    ((raw, _),) = r.zrange(keys.RETRY, 0, -1, withscores=True)
+    job = json.loads(raw)
+    assert job["retry_count"] == 0 and job["error_class"] == "forkq.errors.OverLimit"
+    assert job["overlimit"] == 2 and r.hlen(worker.fetch.inflight_key) == 0
+
+
+def test_the_default_cap_is_20(client, r, worker):
+    # pushed by name, without the @job's overlimit_retries: the default holds
+    client.push("limiter_test.over", ["c"], queue="lim")
+    job = json.loads(r.lpop("queue:lim"))
+    assert "overlimit_retries" not in job
+    r.lpush("queue:lim", json.dumps(dict(job, overlimit=19)))
+    run_one(worker)
+    ((again, at),) = scheduled(r)
+    assert again["overlimit"] == 20 and at - time.time() <= 600 * 1.5
+    r.delete(keys.SCHEDULE)
+    r.lpush("queue:lim", json.dumps(again))
+    run_one(worker)
+    assert r.zcard(keys.SCHEDULE) == 0 and r.zcard(keys.RETRY) == 1
+
+
+# -- end to end -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(40)
+def test_a_fleet_shares_a_limiter_made_at_import_and_reschedules_what_is_over(start_master, redis_url, r):
+    """Two children of three threads each run 8 jobs through a concurrent limiter of 2
+    made in the master before the fork (wait_timeout 0.05 s): never more than 2 hold it,
+    those that found it full are rescheduled (a shortened wait) and all finish, none
+    failed."""
+    m = start_master(processes=2, concurrency=3, app=REPO_ROOT / "tests" / "apps" / "limiter_jobs.py",
+                     env={"LIM_OVERLIMIT_FIRST_S": "0.1"})
+    m.wait_slots()
+    pusher = forkq.Client(redis_url)
+    pusher.push_bulk("lim.hold", [[f"j{i}"] for i in range(8)])
+
+    def finished():
+        m.check()
+        return r.llen("lim:done") == 8
+    wait_until(finished, timeout=25, interval=0.05, message="8 jobs done")
+    counts = [int(n) for n in r.lrange("lim:seen", 0, -1)]
+    assert len(counts) == 8 and max(counts) <= 2
+    assert r.zcard(keys.RETRY) == 0 and r.zcard(keys.DEAD) == 0
+    assert "over limit: rescheduled in" in m.tail(400)
