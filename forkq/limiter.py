@@ -39,7 +39,7 @@ PREFIX = "forkq:limiter:"
 INTERVALS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
 # Waits between attempts while a limiter is full: the first short, growing to a cap, each
 # drawn at random below its step so waiters that found it full together do not all come
-# back together. At the cap a waiting thread costs Redis about 7 calls a second.
+# back together. At the cap a waiting thread costs Redis 5 to 10 calls a second.
 FIRST_PAUSE_S = 0.01
 MAX_PAUSE_S = 0.2
 
