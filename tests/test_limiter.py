@@ -286,6 +286,37 @@ def test_the_default_cap_is_20(client, r, worker):
     assert r.zcard(keys.SCHEDULE) == 0 and r.zcard(keys.RETRY) == 1
 
 
+@forkq.job(queue="lim", name="limiter_test.over_once")
+def over_once(tag: str) -> None:
+    if tag not in ran:
+        ran.append(tag)
+        raise forkq.OverLimit("rate limiter 'x' stayed full", "x")
+    ran.append("ok")
+
+
+@forkq.job(queue="limcb", name="limiter_test.after")
+def after(tag: str) -> None:
+    pass
+
+
+def test_a_batch_job_over_limit_stays_pending_and_is_no_failure(client, redis_url, r, worker):
+    forkq.configure(redis_url)
+    try:
+        with forkq.Batch().on_complete(after, "c") as batch:
+            over_once.enqueue("d")
+        run_one(worker)
+        status = batch.status()
+        assert status.pending == 1 and status.failures == {} and not status.complete
+        assert r.llen("queue:limcb") == 0  # no callback for a job that has not ended
+        ((job, at),) = scheduled(r)
+        assert Scheduler(r, worker.outcomes).poll(now=at + 1) == 1
+        run_one(worker)
+        worker.fetch.fetch(0)  # the claim that carries the ack
+        assert ran == ["d", "ok"] and batch.status().success and r.llen("queue:limcb") == 1
+    finally:
+        forkq.client._default = None
+
+
 # -- end to end -----------------------------------------------------------------------------
 
 
