@@ -247,7 +247,7 @@ def test_each_set_links_every_entry_to_a_page_with_every_field_and_the_backtrace
         assert "<tr><th>Retried</th><td>2023-11-14 22:14:10 UTC" in text
         assert f"<tr><th>{scores[slug]}</th><td>2027-01-15 08:00:00 UTC" in text
         assert "<tr><th>Retry count</th><td>3</td></tr>" in text
-        for extra in ("<tr><th>bid</th><td><code>&#34;b-123&#34;</code>",
+        for extra in ('<tr><th>Batch</th><td><a href="/batches/b-123"><code>b-123</code></a></td></tr>',
                       "<tr><th>tags</th><td><code>[&#34;vip&#34;]</code>",
                       "<tr><th>retry</th><td><code>true</code>"):
             assert extra in text
