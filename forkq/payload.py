@@ -135,11 +135,20 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
     """Return options if every value can go into a payload as it is, else raise TypeError
     naming the first that cannot: orjson would quietly write a datetime or UUID as a string,
     and the job would carry a value of another type than the one given. expires_in and
-    keep_result are checked as numbers of seconds; keep_result=None is taken out."""
+    keep_result are checked as numbers of seconds; keep_result=None is taken out;
+    overlimit_retries as a count."""
     if "expires_in" in options:
         check_expires_in(options["expires_in"])
     if "keep_result" in options and check_keep_result(options["keep_result"]) is None:
         del options["keep_result"]  # None: this push keeps no result
+    if "overlimit_retries" in options:
+        retries = options["overlimit_retries"]
+        # the worker reads anything else as the default (20): say so here, not never
+        if retries is None:
+            del options["overlimit_retries"]  # None: the default for this push
+        elif type(retries) is not int or retries < 0:
+            raise ValueError(f"overlimit_retries must be an int of 0 or more (times a job that "
+                             f"raised forkq.OverLimit is scheduled again), not {retries!r}")
     for name, value in options.items():
         if not _native(value):
             where, bad = _first_bad(value, f"option {name!r}")

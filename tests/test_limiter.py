@@ -192,6 +192,17 @@ def test_bad_arguments_are_refused_at_construction(make, bad):
         make()
 
 
+@pytest.mark.parametrize("bad", [-1, 2.5, "5", True, float("inf")])
+def test_a_bad_overlimit_retries_is_refused_where_it_is_given(bad):
+    # the worker would read it as the default of 20 without a word
+    with pytest.raises(ValueError, match="overlimit_retries"):
+        forkq.job(name="limiter_test.bad_cap", overlimit_retries=bad)(lambda: None)
+    with pytest.raises(ValueError, match="overlimit_retries"):
+        limited.options(overlimit_retries=bad)
+    assert limited.options(overlimit_retries=0).options["overlimit_retries"] == 0
+    assert "overlimit_retries" not in limited.options(overlimit_retries=None).options  # the default
+
+
 def test_testing_modes_admit_everyone_without_redis():
     nowhere = forkq.Client("redis://127.0.0.1:1/0")  # nothing listens there
     one = limiter.concurrent("t", 1, wait_timeout=0, client=nowhere)
