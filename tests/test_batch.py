@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import forkq
+from forkq import api
 from forkq import batch as batch_mod
 from forkq import testing
 from forkq.fetch import requeue_owner_counts
@@ -439,3 +440,26 @@ def _sup_quick():
     def quick_job(tag):
         pass
     return quick_job
+
+
+def test_a_callback_whose_queue_key_is_no_list_goes_to_dead_not_lost(client, r, worker):
+    """A push onto a key of the wrong type fails; inside the claim that counts the last
+    success, it failed the whole call after the callback was marked fired: it was lost."""
+    r.set("queue:bcb", "not a list")
+    with forkq.Batch().on_success(notify, "s").on_complete(report, "c") as batch:
+        load.enqueue(1)
+    run_all(worker, 1)  # the claim that carries the ack and fires both: no error
+    status = batch.status()
+    assert status.success and status.complete and r.hlen(worker.fetch.inflight_key) == 0
+    parked = sorted(map(json.loads, r.zrange("dead", 0, -1)), key=lambda j: j["class"])
+    assert [(j["class"], j["args"], j["queue"]) for j in parked] == [
+        ("batch_test.notify", ["s"], "bcb"), ("batch_test.report", ["c"], "bcb")]
+    assert all("queue:bcb" in j["error_message"] and "string" in j["error_message"] for j in parked)
+    # an empty batch fires as it is sealed: the seal does not raise either
+    with forkq.Batch().on_success(notify, "e"):
+        pass
+    assert r.zcard("dead") == 3 and r.get("queue:bcb") == b"not a list"
+    r.delete("queue:bcb")  # the operator fixes the key and retries them from dead
+    dead = api.dead(r)
+    assert dead.retry_now(list(dead.entries())) == 3
+    assert sorted(callbacks(r)) == [("notify", ["e"]), ("notify", ["s"]), ("report", ["c"])]

@@ -35,8 +35,20 @@ local function batch_push(b, which, now)
     return
   end
   local q = redis.call('HGET', b, which .. '_queue')
+  local job = '{"enqueued_at":' .. now .. ',' .. string.sub(raw, 2)
+  local kind = redis.call('TYPE', 'queue:' .. q)['ok']
+  if kind ~= 'list' and kind ~= 'none' then
+    -- LPUSH would fail this whole call after the callback was marked fired (Redis keeps a
+    -- failed script's writes): it would be lost for good. Parked in dead with the reason,
+    -- an operator retries it once the key is fixed.
+    local why = cjson.encode('queue:' .. q .. ' holds a ' .. kind .. ', not a list')
+    redis.call('ZADD', 'dead', now, string.sub(job, 1, -2) ..
+      ',"error_class":"forkq.CallbackUndeliverable","error_message":' .. why ..
+      ',"failed_at":' .. now .. '}')
+    return
+  end
   redis.call('SADD', 'queues', q)
-  redis.call('LPUSH', 'queue:' .. q, '{"enqueued_at":' .. now .. ',' .. string.sub(raw, 2))
+  redis.call('LPUSH', 'queue:' .. q, job)
 end
 
 -- Fire what is due, once each (complete_at / success_at mark it fired); nothing before the
