@@ -268,7 +268,9 @@ def _check_runnable(f: Callable[..., Any], name: str) -> None:
 
 def _arity(f: Callable[..., Any], name: str) -> tuple[int, int | None] | None:
     try:
-        params = inspect.signature(f).parameters.values()
+        # the function the worker calls, not the one a functools.wraps decorator names as
+        # __wrapped__: that wrapper may fill some of its parameters in itself
+        params = inspect.signature(f, follow_wrapped=False).parameters.values()
     except (TypeError, ValueError):  # a builtin or an object Python cannot describe
         return None
     fewest, most = 0, 0

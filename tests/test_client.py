@@ -4,6 +4,7 @@ Everything is checked in a real redis-server (the shared one, flushed per test, 
 private `own_redis`). The job definitions are tests/apps/core_jobs.py.
 """
 
+import functools
 import json
 import re
 import time
@@ -251,6 +252,44 @@ def test_args_the_function_cannot_take_are_refused_and_nothing_is_pushed(forkq_c
     with pytest.raises(TypeError, match="keyword-only parameter 'b' has no default"):
         forkq.job(name="client_test.needs_keyword")(lambda *a, b: None)
     assert "client_test.needs_keyword" not in forkq.jobs.REGISTRY
+
+
+def _inject(*front, **keywords):
+    """A decorator that calls the function with arguments of its own (a connection, a
+    session), as many apps' do: the job is pushed with the rest of the args only."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*front, *args, **keywords, **kwargs)
+        return wrapper
+    return decorate
+
+
+def test_the_arity_is_the_called_functions_not_the_one_a_decorator_wraps(forkq_client, r):
+    # signature() follows functools.wraps' __wrapped__ to the inner function, whose
+    # parameters the wrapper fills in: those jobs were refused at push, or at import
+    @forkq.job(name="client_test.with_conn")
+    @_inject("conn")
+    def with_conn(conn, row):
+        return conn, row
+
+    @forkq.job(name="client_test.with_session")
+    @_inject(session="s")
+    def with_session(row, *, session):
+        return row, session
+
+    try:
+        assert with_conn.enqueue(1) and with_session.enqueue(2)
+        assert with_conn.enqueue_many([[3]]) and r.llen("queue:default") == 3
+        assert forkq.jobs.lookup("client_test.with_conn").fn(1) == ("conn", 1)  # as a worker calls it
+        # a partial, a callable object and a bound method are checked by what they take
+        part = forkq.job(name="client_test.partial")(functools.partial(lambda a, b, c=None: None, 1))
+        with pytest.raises(TypeError, match="takes from 1 to 2 positional arguments, not 0"):
+            part.enqueue()
+        assert part.enqueue(2)
+    finally:
+        for name in ("with_conn", "with_session", "partial"):
+            forkq.jobs.REGISTRY.pop(f"client_test.{name}", None)
 
 
 def _at_second_batch(act):
