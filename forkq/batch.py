@@ -201,6 +201,27 @@ class Batch:
         return [("MULTI",), *commands, ("SADD", b + ":jids", *jids), ("EXPIRE", b + ":jids", TTL_S),
                 ("HINCRBY", b, "total", len(jids)), ("EXPIRE", b, TTL_S), ("EXEC",)]
 
+    def refused(self, commands: list[tuple], replies: list[Any],
+                jobs: list[dict[str, Any]]) -> list[tuple]:
+        """The MULTI that takes back out of this batch the jobs whose push failed inside
+        registered()'s MULTI (`replies` is its EXEC's), or [] if none did: EXEC runs every
+        command even when one fails (WRONGTYPE on a queue key), so those jids joined the
+        batch without their jobs, and its success would wait for them forever."""
+        mine = [j for j in jobs if j.get("bid") == self.bid]
+        lost: set[str] = set()
+        for command, reply in zip(commands, replies):
+            if not isinstance(reply, Exception):
+                continue
+            if command[0] == "ZADD":  # the schedule's: every job of the push
+                lost.update(j["jid"] for j in mine)
+            elif command[0] == "LPUSH":
+                lost.update(j["jid"] for j in mine if "queue:" + j.get("queue", "") == command[1])
+        if not lost:
+            return []
+        b = key(self.bid)
+        return [("MULTI",), ("SREM", b + ":jids", *lost), ("HINCRBY", b, "total", -len(lost)),
+                ("EXEC",)]
+
     def status(self) -> "BatchStatus | None":
         return batch_status(self.bid, client=self._client)
 

@@ -516,10 +516,14 @@ class Client:
             return
         replies = self._send(joining.registered(commands, jobs))
         # EXEC runs every command even if one fails (WRONGTYPE on a queue key): say so,
-        # as the plain push does; the batch is then abandoned as the exception leaves it
-        for reply in replies if type(replies) is list else ():
-            if isinstance(reply, Exception):
-                raise reply
+        # as the plain push does, once the jobs not pushed are out of the batch again (a
+        # caller may handle the error and seal the batch)
+        errors = [r for r in replies if isinstance(r, Exception)] if type(replies) is list else []
+        if errors:
+            undo = joining.refused(commands, replies, jobs)
+            if undo:
+                self._send(undo)
+            raise errors[0]
 
     def _send_script(self, name: str, args: tuple) -> Any:
         """Run one push's script (numkeys, keys..., argv...), with _send's errors."""

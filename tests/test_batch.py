@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import redis
 
 import forkq
 from forkq import api
@@ -463,3 +464,19 @@ def test_a_callback_whose_queue_key_is_no_list_goes_to_dead_not_lost(client, r, 
     dead = api.dead(r)
     assert dead.retry_now(list(dead.entries())) == 3
     assert sorted(callbacks(r)) == [("notify", ["e"]), ("notify", ["s"]), ("report", ["c"])]
+
+
+def test_a_push_redis_refuses_inside_a_batch_adds_no_job_to_it(client, r, worker):
+    """EXEC runs every command of the MULTI even when the LPUSH fails (WRONGTYPE): the jid
+    joined the batch without its job, and the batch, sealed by a caller that handled the
+    push's error, waited for that job forever."""
+    r.set("queue:broken", "not a list")
+    with forkq.Batch().on_success(notify, "s") as batch:
+        load.enqueue(1)
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            load.options(queue="broken").enqueue(2)
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            load.options(queue="broken").enqueue_many([[3], [4]])
+    assert batch.status().total == 1
+    run_all(worker, 1)
+    assert batch.status().success and callbacks(r) == [("notify", ["s"])]
