@@ -178,9 +178,9 @@ class ReliableFetch:
                                len(actions) // 2, *acks, *tokens, *actions, *names]
         else:
             argv = [want, len(acks), self._resend, first, 0, *acks, *names]
-        # the plain acks only: a stop may delete these without the claim (flush_acks, the
-        # master's hand-over), which must never happen to an ack that has actions
-        self._sending = acks
+        # what a stop may delete without this claim (flush_acks, the master's hand-over):
+        # plain acks, and those whose actions only release locks (see _lock_only)
+        self._sending = acks + _lock_only(after) if after else acks
         try:
             flat = self._claim(keys_, argv)
         except Exception:
@@ -330,9 +330,10 @@ class ReliableFetch:
     def unsent_acks(self) -> list[str]:
         """The in-flight fields of finished jobs whose delete may not have reached Redis:
         those on a claim or a flush still waiting for its reply, and those not sent yet.
-        Not those with after-success actions: deleted without them (by the master), a
-        batch job's success would be lost, where the job running again is harmless."""
-        return self._sending + self._flushing + list(self._acks)  # each copied whole, under the GIL
+        Not those that count a batch job's success: deleted without it (by the master),
+        the count would be lost, where the job running again is harmless (_lock_only)."""
+        # each copied whole, under the GIL
+        return self._sending + self._flushing + list(self._acks) + _lock_only(list(self._after))
 
     def _take_acks(self, limit: int) -> list[str]:
         acks = self._acks
@@ -355,7 +356,7 @@ class ReliableFetch:
         while self._acks or self._cleared or self._after:
             after = self._take_after() if self._after else []
             batch = self._take_acks(4000)
-            self._flushing = batch
+            self._flushing = batch + _lock_only(after) if after else batch
             cleared = list(self._cleared)
             try:
                 if after:
@@ -392,6 +393,17 @@ class ReliableFetch:
         """Return everything this process holds to its queues and unregister it."""
         self.flush_acks()
         return requeue_owner(self.redis, self.identity, self.order.names, script=self._requeue_all)
+
+
+def _lock_only(after: list[tuple[str, tuple[str, ...]]] | tuple) -> list[str]:
+    """The tokens of queued (token, actions) entries whose actions only release unique
+    locks. A stop may delete those fields without their actions, as plain acks: the job
+    must not go back to run again while its own late unlock (a stuck claim's, arriving
+    after the requeue) frees the lock for a duplicate push; at worst the lock lapses with
+    its TTL. An entry that counts a batch job's success is never deleted without it: that
+    job runs again instead, and counts then."""
+    return [token for token, actions in after
+            if not any(k.startswith(batch.PREFIX) for k in actions[0::2])]
 
 
 def _split(after: list[tuple[str, tuple[str, ...]]]) -> tuple[list[str], list[str]]:

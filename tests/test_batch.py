@@ -505,3 +505,20 @@ def test_retrying_a_parked_callback_before_its_key_is_fixed_keeps_it(client, r, 
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
         dead.retry_now(list(dead.entries()))
     assert r.zcard("dead") == 1  # still there, to retry once the key is fixed
+
+
+def test_a_stop_may_delete_a_unique_jobs_ack_alone_but_never_a_batch_jobs_count(client, r, worker):
+    """What a stopping child hands its master (unsent_acks) is deleted without its
+    actions: a batch job's count must not be among them (lost for good), while a job
+    whose only action is a unique unlock must be (requeued instead, it would be pending
+    while its own late unlock, from a claim stuck on the wire, freed its lock)."""
+    with forkq.Batch().on_success(notify, "s"):
+        load.enqueue(1)
+    load.options(unique_for=60).enqueue(2)
+    processor, fetch = worker.processors[0], worker.fetch
+    for unit in fetch.fetch(2):
+        worker.done(unit.token, processor.process(unit))
+    by_jid = {json.loads(raw)["args"][0]: field.decode()
+              for field, raw in r.hgetall(fetch.inflight_key).items()}
+    assert fetch.pending_acks() == 2
+    assert fetch.unsent_acks() == [by_jid[2]]
