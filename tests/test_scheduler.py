@@ -111,6 +111,24 @@ def test_a_due_entry_that_cannot_be_re_encoded_does_not_stall_the_others(workers
 
 
 @pytest.mark.timeout(30)
+def test_a_due_job_whose_queue_key_is_no_list_goes_to_dead_not_nowhere(workers, forkq_client, r):
+    # the LPUSH failed after the ZREM, and Redis keeps a failed script's writes: the job
+    # was gone from the schedule and on no queue, and the poller raised on every poll
+    r.set("queue:broken", "a string")
+    entry = {"class": "X", "args": [[], 2**60], "queue": "broken", "jid": "b" * 24, "retry": True}
+    r.zadd("retry", {json.dumps(entry): time.time() - 2})
+    jid = core_jobs.record.enqueue_at(time.time() + 0.3, "fine")
+    worker = workers(poll_interval=1)
+
+    wait_records(r, 1, worker, kind="record", timeout=5)
+    assert [p["jid"] for p in seen(r)] == [jid]
+    ((dead, _),) = wait_zset(r, "dead", 1, worker)
+    assert (dead["jid"], dead["args"], dead["error_class"]) == ("b" * 24, [[], 2**60], "forkq.QueueNotAList")
+    assert "queue:broken holds a string" in dead["error_message"]
+    assert r.zcard("retry") == 0 and r.get("queue:broken") == b"a string"
+
+
+@pytest.mark.timeout(30)
 def test_the_wait_between_polls_stays_one_a_thread_can_take(r):
     # the average (--poll-interval) times the live processes passed threading.TIMEOUT_MAX,
     # and the OverflowError of the wait ended the scheduler thread: nothing scheduled or
