@@ -550,8 +550,9 @@ def _settle_poisoned(client: redis.Redis, inflight_key: str, entries: list[bytes
     try:
         pipe.execute()
     except redis.RedisError as exc:
-        log.warning("poison jobs went to dead, but their unique locks and kept failures were "
-                    "not written (the locks lapse with their TTL)", jobs=len(entries), error=str(exc))
+        log.warning("poison jobs went to dead, but their unique locks, kept failures and batch "
+                    "counts were not written (the locks lapse with their TTL; their batches will "
+                    "not complete)", jobs=len(entries), error=str(exc))
 
 
 def owner_queues(client: redis.Redis, identity: str) -> list[str] | None:

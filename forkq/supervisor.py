@@ -140,11 +140,12 @@ class Supervisor:
         signal.set_wakeup_fd(self._sig_w)
         for sig in FORWARDED + (signal.SIGCHLD,):
             signal.signal(sig, _noop)
-        # The scripts a dead child's requeue (release: a poison job's unique lock) and count
-        # need, read now rather than at the first death: a master whose Redis connection is open needs no new descriptor to put
-        # a child's jobs back, even with its limit on open files reached (the stray scan keeps
-        # that connection open more of the time)
-        for name in ("requeue_all", "release", "flush_stats"):
+        # The scripts a dead child's requeue (release and batch_fail: a poison job's unique
+        # lock and batch) and count need, read now rather than at the first death: a master
+        # whose Redis connection is open needs no new descriptor to put a child's jobs back,
+        # even with its limit on open files reached (the stray scan keeps that connection
+        # open more of the time)
+        for name in ("requeue_all", "release", "batch_fail", "flush_stats"):
             scripts.source(name)
         # children share the preloaded app's pages: nothing the master allocated so far
         # is touched by a collection that would copy it
