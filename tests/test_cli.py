@@ -121,7 +121,11 @@ def test_a_stop_while_the_app_imports_exits_0_in_one_line(redis_url, tmp_path, s
     was claimed, so exit 0 with one line, not a traceback and not death by the signal."""
     started = tmp_path / "importing"
     app = tmp_path / "slow_app.py"
-    app.write_text(f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\ntime.sleep(20)\n")
+    # short sleeps: a signal that lands between CPython's check for pending signals and the
+    # start of a sleep's system call is handled only once that call returns, so one long
+    # sleep made this test wait out its whole 20 s now and then
+    app.write_text(f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\n"
+                   "for _ in range(200):\n    time.sleep(0.1)\n")
     env = dict(os.environ, FORKQ_REDIS_URL=redis_url)
     proc = subprocess.Popen([sys.executable, "-m", "forkq", "start", "--require", str(app), *mode],
                             env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
