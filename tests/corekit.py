@@ -205,6 +205,17 @@ def hand_driven(url: str, queue: str, identity: str) -> Manager:
     return manager
 
 
+def hand_driven_fixture(queue: str, identity: str):
+    """A `worker` fixture for a test module: hand_driven on the shared Redis, flushed
+    first (through `r`), closed after the test."""
+    @pytest.fixture
+    def worker(redis_url, r):
+        manager = hand_driven(redis_url, queue, identity)
+        yield manager
+        manager.fetch.close()
+    return worker
+
+
 def run_one(manager: Manager) -> None:
     """Claim one job and run it as a processor thread does (Processor._serve's body)."""
     (unit,) = manager.fetch.fetch(1)

@@ -22,7 +22,7 @@ from forkq import api
 from forkq import batch as batch_mod
 from forkq import testing
 from forkq.fetch import requeue_owner_counts
-from corekit import hand_driven, run_one
+from corekit import hand_driven, hand_driven_fixture, run_one
 from helpers import wait_until
 from test_supervisor import sup_events, start_master, wait_event  # noqa: F401 (a fixture)
 
@@ -78,12 +78,8 @@ def client(redis_url):
         forkq.client._default = None
 
 
-@pytest.fixture
-def worker(redis_url, r):
-    """A Manager on queue bq, not started: run_one() drives its one processor."""
-    manager = hand_driven(redis_url, "bq", "test:1:batch0000000a")
-    yield manager
-    manager.fetch.close()
+# a Manager on queue bq, not started: run_one() drives its one processor
+worker = hand_driven_fixture("bq", "test:1:batch0000000a")
 
 
 def callbacks(r) -> list[tuple[str, list]]:

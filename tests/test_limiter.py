@@ -19,7 +19,7 @@ import redis
 import forkq
 from forkq import keys, limiter, testing
 from forkq.scheduler import Scheduler
-from corekit import hand_driven, run_one
+from corekit import hand_driven_fixture, run_one
 from test_supervisor import REPO_ROOT, start_master  # noqa: F401 (a fixture)
 from helpers import wait_until
 
@@ -229,11 +229,8 @@ def over(tag: str) -> None:
     raise forkq.OverLimit("rate limiter 'x' stayed full", "x")
 
 
-@pytest.fixture
-def worker(redis_url, r):
-    manager = hand_driven(redis_url, "lim", "test:1:000000000001")
-    yield manager
-    manager.fetch.close()
+# a Manager on queue lim, not started: run_one() drives its one processor
+worker = hand_driven_fixture("lim", "test:1:000000000001")
 
 
 def scheduled(r) -> list[tuple[dict, float]]:

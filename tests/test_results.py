@@ -17,7 +17,7 @@ import redis
 
 import forkq
 from forkq import testing
-from corekit import core_jobs, forkq_client, hand_driven, run_one, workers  # noqa: F401 (fixtures)
+from corekit import core_jobs, forkq_client, hand_driven_fixture, run_one, workers  # noqa: F401 (fixtures)
 from helpers import wait_until
 
 
@@ -76,12 +76,8 @@ def client(redis_url):
     return forkq.Client(redis_url)
 
 
-@pytest.fixture
-def worker(redis_url, r):
-    """A Manager on queue rq, not started: run_one() drives its one processor."""
-    manager = hand_driven(redis_url, "rq", "test:1:000000000001")
-    yield manager
-    manager.fetch.close()
+# a Manager on queue rq, not started: run_one() drives its one processor
+worker = hand_driven_fixture("rq", "test:1:000000000001")
 
 
 

@@ -17,7 +17,7 @@ import redis
 
 import forkq
 from forkq import testing
-from corekit import hand_driven, run_one
+from corekit import hand_driven_fixture, run_one
 from helpers import wait_until
 from test_supervisor import sup_events, start_master, wait_event  # noqa: F401 (a fixture)
 
@@ -57,12 +57,8 @@ def client(redis_url):
     yield c
 
 
-@pytest.fixture
-def worker(redis_url, r):
-    """A Manager on queue uq, not started: run_one() drives its one processor."""
-    manager = hand_driven(redis_url, "uq", "test:1:000000000000")
-    yield manager
-    manager.fetch.close()
+# a Manager on queue uq, not started: run_one() drives its one processor
+worker = hand_driven_fixture("uq", "test:1:000000000000")
 
 
 
