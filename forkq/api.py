@@ -14,6 +14,7 @@ still reads them.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ from typing import Any, Self
 
 import redis
 
-from . import client, control, keys, payload, scripts, unique
+from . import batch, client, control, keys, payload, scripts, unique
 from .errors import MalformedPayload
 from .fetch import crash_id
 from .retry import MALFORMED_CLASS
@@ -433,19 +434,33 @@ def _lock(entry: Entry) -> tuple[str, str] | tuple[()]:
     return (lock, jid) if lock is not None and type(jid) is str else ()
 
 
+def _batch_of(entry: Entry) -> tuple[str, str] | None:
+    """(batch key, jid) of a batch job's entry, else None."""
+    job = entry.job
+    if job is None or "bid" not in job:
+        return None
+    bid, jid = job["bid"], job.get("jid")
+    return (batch.key(bid), jid) if type(bid) is str and bid and type(jid) is str else None
+
+
 def _forget(conn: redis.Redis, key: str, kind: str, entries: list[Entry]) -> int:
-    """Remove entries from a sorted set or a queue list, and release the unique lock of
-    each one removed, as a job leaving for good does: left held, it refused every push of
-    the same job until its TTL ran out, though no such job was pending any more. Entries
-    without a lock take the plain ZREM or LREM."""
+    """Remove entries from a sorted set or a queue list, and end each one removed as a job
+    leaving for good ends (scripts/forget.lua): its unique lock released (left held, it
+    refused every push of the same job until its TTL ran out, though no such job was
+    pending any more), and its failure counted in its batch (left uncounted, the batch
+    never completed). Entries with neither take the plain ZREM or LREM."""
     locks = [_lock(e) for e in entries]
-    if not any(locks):
+    batches = [_batch_of(e) for e in entries]
+    if not any(locks) and not any(batches):
         if kind == "zset":
             return int(conn.zrem(key, *[e.raw for e in entries]))
         return sum(int(conn.lrem(key, 1, e.raw)) for e in entries)
-    argv: list[Any] = [kind]
-    for entry, lock in zip(entries, locks):
-        argv += [entry.raw, *(lock or ("", ""))]
+    failure = json.dumps({"error_class": "forkq.Deleted", "error_message": "deleted by an operator",
+                          "fate": "deleted", "at": time.time()})
+    argv: list[Any] = [kind, failure]
+    for entry, lock, in_batch in zip(entries, locks, batches):
+        jid = lock[1] if lock else in_batch[1] if in_batch else ""
+        argv += [entry.raw, lock[0] if lock else "", jid, in_batch[0] if in_batch else ""]
     return int(scripts.load(conn, "forget")(keys=[key], args=argv))
 
 

@@ -518,3 +518,24 @@ def test_a_stop_may_delete_a_unique_jobs_ack_alone_but_never_a_batch_jobs_count(
               for field, raw in r.hgetall(fetch.inflight_key).items()}
     assert fetch.pending_acks() == 2
     assert fetch.unsent_acks() == [by_jid[2]]
+
+
+def test_jobs_an_operator_deletes_count_as_failed_so_the_batch_completes(client, r, worker):
+    """A batch job deleted from its queue or from the schedule never ends, so the batch
+    waited for it for good: neither callback fired."""
+    batch = forkq.Batch().on_complete(report, "c").on_success(notify, "s")
+    with batch:
+        load.enqueue(1)
+        queued = load.enqueue(2)
+        later = load.enqueue_in(600, 3)
+    run_one(worker)  # job 1 (the oldest) succeeds
+    worker.fetch.fetch(0)
+    (entry,) = api.Queue(r, "bq").page(0, 10)
+    assert api.Queue(r, "bq").delete(entry.raw) == 1
+    assert callbacks(r) == []  # the scheduled one is still pending
+    scheduled = api.schedule(r)
+    assert scheduled.delete([scheduled.find(later)]) == 1
+    assert callbacks(r) == [("report", ["c"])]  # complete; success never
+    status = batch.status()
+    assert (status.pending, status.complete, status.success) == (2, True, False)
+    assert {jid: f["fate"] for jid, f in status.failures.items()} == {queued: "deleted", later: "deleted"}

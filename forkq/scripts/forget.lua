@@ -1,13 +1,16 @@
 -- Remove entries an operator deletes (forkq dead/queues, forkq.api, the dashboard), and
--- release the unique lock of each one this call removed, while it still holds the jid.
--- A lock is released only for an entry this call took out: one another process moved
--- meanwhile (the scheduler, a worker's claim) is still a pending job that holds it.
+-- end each one this call removed as a job leaving for good ends: release its unique lock,
+-- while it still holds the jid, and count it as failed in its batch, so that the batch's
+-- `complete` can fire (its success never will). Only for an entry this call took out: one
+-- another process moved meanwhile (the scheduler, a worker's claim) is still a pending job.
 -- KEYS[1] the sorted set or the queue list
--- ARGV[1] 'zset' or 'list', then (member, lock key or '', jid) triplets
+-- ARGV[1] 'zset' or 'list', ARGV[2] the failure a batch records (JSON), then
+-- (member, lock key or '', jid, batch key or '') quadruplets
 -- Returns how many entries were removed.
+--#include batch
 local removed = 0
 local zset = ARGV[1] == 'zset'
-for i = 2, #ARGV, 3 do
+for i = 3, #ARGV, 4 do
   local n
   if zset then
     n = redis.call('ZREM', KEYS[1], ARGV[i])
@@ -19,6 +22,9 @@ for i = 2, #ARGV, 3 do
     local lock = ARGV[i + 1]
     if lock ~= '' and redis.call('GET', lock) == ARGV[i + 2] then
       redis.call('DEL', lock)
+    end
+    if ARGV[i + 3] ~= '' then
+      batch_failure(ARGV[i + 3], ARGV[i + 2], ARGV[2])
     end
   end
 end
