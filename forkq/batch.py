@@ -191,15 +191,20 @@ class Batch:
                                  ".options(unique_for=None), or outside the batch")
             j["bid"] = self.bid
 
-    def registered(self, commands: list[tuple], jobs: list[dict[str, Any]]) -> list[tuple]:
+    def registered(self, commands: list[tuple], jobs: list[dict[str, Any]],
+                   due: float | None = None) -> list[tuple]:
         """A push's commands, with the jids of the jobs still in this batch (a client
-        middleware may drop a job or its bid) added to the batch in the same MULTI."""
+        middleware may drop a job or its bid) added to the batch in the same MULTI; `due`:
+        a scheduled push's run time, which the batch's keys must outlive. The script goes
+        as EVAL with its body: an EVALSHA unknown to Redis would fail inside the MULTI while
+        the push itself went through."""
         jids = [j["jid"] for j in jobs if j.get("bid") == self.bid]
         if not jids:
             return commands
         b = key(self.bid)
-        return [("MULTI",), *commands, ("SADD", b + ":jids", *jids), ("EXPIRE", b + ":jids", TTL_S),
-                ("HINCRBY", b, "total", len(jids)), ("EXPIRE", b, TTL_S), ("EXEC",)]
+        return [("MULTI",), *commands,
+                ("EVAL", scripts.source("batch_join"), 2, b, b + ":jids", "" if due is None else repr(due), *jids),
+                ("EXEC",)]
 
     def refused(self, commands: list[tuple], replies: list[Any],
                 jobs: list[dict[str, Any]]) -> list[tuple]:

@@ -459,7 +459,7 @@ class Client:
                 payload.check_queue(q)
             scored = [part for j in jobs for part in (run_at, encode(j))]
             commands = [("ZADD", keys.SCHEDULE, *scored)]
-            self._send_joined(commands, joining, jobs)
+            self._send_joined(commands, joining, jobs, run_at)
             return [j["jid"] for j in jobs]
         by_queue: dict[str, list[str]] = {}
         for j in jobs:
@@ -509,12 +509,12 @@ class Client:
         return self._write(lambda pushers: pushers.run(commands))
 
     def _send_joined(self, commands: list[tuple], joining: "batch.Batch | None",
-                     jobs: list[dict[str, Any]]) -> None:
+                     jobs: list[dict[str, Any]], due: float | None = None) -> None:
         """Send a push's commands; inside a batch, in a MULTI that adds the jobs to it."""
         if joining is None:
             self._send(commands)
             return
-        replies = self._send(joining.registered(commands, jobs))
+        replies = self._send(joining.registered(commands, jobs, due))
         # EXEC runs every command even if one fails (WRONGTYPE on a queue key): say so,
         # as the plain push does, once the jobs not pushed are out of the batch again (a
         # caller may handle the error and seal the batch)

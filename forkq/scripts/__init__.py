@@ -19,8 +19,12 @@ _HERE = Path(__file__).parent
 def source(name: str) -> str:
     """A script's text, with each `--#include NAME` line replaced by _NAME.lua (Redis runs
     every script alone: helpers shared by several are pasted in)."""
-    text = (_HERE / f"{name}.lua").read_text()
-    return re.sub(r"^--#include (\w+)$", lambda m: (_HERE / f"_{m.group(1)}.lua").read_text(),
+    return _expand((_HERE / f"{name}.lua").read_text())
+
+
+def _expand(text: str) -> str:
+    # included files may include others (_batch.lua pastes _batchttl.lua)
+    return re.sub(r"^--#include (\w+)$", lambda m: _expand((_HERE / f"_{m.group(1)}.lua").read_text()),
                   text, flags=re.M)
 
 

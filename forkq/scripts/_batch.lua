@@ -9,15 +9,7 @@
 -- before its ack) finds it gone and counts once, and a payload naming a batch it was never
 -- pushed into, or one whose keys expired, changes nothing. B:failed holds only jids of
 -- B:jids, so the batch is complete when the two are the same size.
--- The TTLs are forkq.batch.TTL_S and DONE_TTL_S (a test holds them equal).
-local BATCH_TTL = 2592000
-local BATCH_DONE_TTL = 86400
-
-local function batch_expire(b, ttl)
-  redis.call('EXPIRE', b, ttl)
-  redis.call('EXPIRE', b .. ':jids', ttl)
-  redis.call('EXPIRE', b .. ':failed', ttl)
-end
+--#include batchttl
 
 -- Refreshed as jobs end, at most once a day per batch: `probe` is the key just written,
 -- which has no TTL if this write made it (-1).
