@@ -348,3 +348,30 @@ def test_a_fleet_shares_a_limiter_made_at_import_and_reschedules_what_is_over(st
     assert len(counts) == 8 and max(counts) <= 2
     assert r.zcard(keys.RETRY) == 0 and r.zcard(keys.DEAD) == 0
     assert "over limit: rescheduled in" in m.tail(400)
+
+
+# -- review: waiting must stay interruptible ------------------------------------------------
+
+
+@forkq.job(queue="lim", name="limiter_test.waits_in_time_limit", retry=3, time_limit=0.3)
+def waits_in_time_limit(tag: str) -> None:
+    # a window whose one entry leaves in ~3 s, inside wait_timeout: the limiter waits for it
+    with limiter.window("lim-wait", 1, 3, wait_timeout=5, client=forkq.Client()):
+        ran.append(tag)
+
+
+@pytest.mark.timeout(20)
+def test_a_time_limit_cuts_a_limiter_wait_short(client, r, worker):
+    # A time limit lands only between bytecodes: a wait for a window's hint taken as one
+    # long time.sleep held the job seconds past its limit (past the grace, it is given up
+    # while its thread may still get in and make the limited call after its failure)
+    secs, micros = r.time()
+    r.zadd("forkq:limiter:lim-wait:window", {"someone": secs * 1000 + micros // 1000})
+    r.pexpire("forkq:limiter:lim-wait:window", 3000)
+    waits_in_time_limit.options(client=client).enqueue("e")
+    started = time.monotonic()
+    run_one(worker)
+    took = time.monotonic() - started
+    ((raw, _),) = r.zrange(keys.RETRY, 0, -1, withscores=True)
+    assert json.loads(raw)["error_class"] == "forkq.errors.TimeLimitExceeded"
+    assert ran == [] and took < 1.2, took
