@@ -60,6 +60,11 @@ class OverLimit(ForkqError):
         super().__init__(message)
         self.limiter = limiter
 
+    def __reduce__(self) -> tuple:
+        # pickled with both arguments: the default passes args (the message alone), and a
+        # job's limited call run in a process pool would come back as a broken pool
+        return type(self), (str(self), self.limiter), self.__dict__ or None
+
 
 class ResultNotReady(ForkqError, TimeoutError):
     """forkq.result() found no result for the job by its deadline: the job has not

@@ -375,3 +375,14 @@ def test_a_time_limit_cuts_a_limiter_wait_short(client, r, worker):
     ((raw, _),) = r.zrange(keys.RETRY, 0, -1, withscores=True)
     assert json.loads(raw)["error_class"] == "forkq.errors.TimeLimitExceeded"
     assert ran == [] and took < 1.2, took
+
+
+def test_an_over_limit_survives_pickling():
+    # A job that runs its limited call in a ProcessPoolExecutor gets the pool's pickled
+    # exception back: an OverLimit that cannot be unpickled broke the pool instead
+    # (BrokenProcessPool, an ordinary failure) and was never rescheduled
+    import copy
+    import pickle
+    exc = forkq.OverLimit("rate limiter 'x' stayed full for 5 s", "x")
+    for back in (pickle.loads(pickle.dumps(exc)), copy.copy(exc)):
+        assert type(back) is forkq.OverLimit and back.limiter == "x" and str(back) == str(exc)
