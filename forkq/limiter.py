@@ -157,12 +157,16 @@ class Lease:
     """One held slot of a concurrent limiter. release() gives it back (also on leaving a
     `with lease:`); a lease not released lapses by itself after the limiter's lock_timeout."""
 
-    __slots__ = ("limiter", "token", "_released")
+    __slots__ = ("limiter", "token", "_released", "_lapses")
 
     def __init__(self, limiter: "Concurrent | None", token: str) -> None:
         self.limiter = limiter
         self.token = token
         self._released = limiter is None  # forkq.testing's: nothing to give back
+        # when it lapses, on this host's monotonic clock (taken just after Redis admitted
+        # it, so at most a round trip late): a lapsed lease nobody has swept yet is still
+        # in the zset, and its release must report the lapse all the same
+        self._lapses = 0.0 if limiter is None else time.monotonic() + limiter.lock_timeout
 
     def release(self) -> bool:
         """Give the slot back; True if this lease still held it. False if it had lapsed
@@ -182,11 +186,12 @@ class Lease:
             log.warning("could not release a rate limiter's lease; it lapses by itself",
                         limiter=limiter.name, lock_timeout=limiter.lock_timeout, error=str(exc))
             return False
-        if not removed:
+        lapsed = not removed or time.monotonic() > self._lapses
+        if lapsed:
             log.warning("a rate limiter's lease lapsed before its release (held past its "
                         "lock_timeout): the limiter may have admitted more than its size",
                         limiter=limiter.name, lock_timeout=limiter.lock_timeout, size=limiter.size)
-        return bool(removed)
+        return not lapsed
 
     def __enter__(self) -> "Lease":
         return self

@@ -386,3 +386,21 @@ def test_an_over_limit_survives_pickling():
     exc = forkq.OverLimit("rate limiter 'x' stayed full for 5 s", "x")
     for back in (pickle.loads(pickle.dumps(exc)), copy.copy(exc)):
         assert type(back) is forkq.OverLimit and back.limiter == "x" and str(back) == str(exc)
+
+
+def test_a_release_past_lock_timeout_says_it_lapsed_even_if_nobody_swept_it(client, r):
+    # the lapsed lease is still in the zset (no acquire since swept it, and a longer lease
+    # keeps the key): its release must still report the lapse, as the README promises
+    short = limiter.concurrent("sweep", 2, wait_timeout=0, lock_timeout=0.2, client=client)
+    long = limiter.concurrent("sweep", 2, wait_timeout=0, lock_timeout=5, client=client)
+    late, other = short.acquire(), long.acquire()
+    lapses = r.zscore(short.key, late.token)
+
+    def redis_ms():
+        secs, micros = r.time()
+        return secs * 1000 + micros // 1000
+    wait_until(lambda: redis_ms() > lapses, timeout=2, message="the short lease lapsed")
+    assert r.zscore(short.key, late.token) is not None  # not swept yet
+    assert late.release() is False
+    assert r.zrange(short.key, 0, -1) == [other.token.encode()]  # its own entry gone, no other
+    assert other.release() is True
