@@ -1,8 +1,22 @@
 """forkq's exception types: what a user may catch, each named for what went wrong."""
 
 
+def _rebuilt(cls: type, args: tuple, state: dict) -> BaseException:
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
+
 class ForkqError(Exception):
     """Base class of forkq's own errors."""
+
+    def __reduce__(self) -> tuple:
+        # pickled as its args and attributes, not as a call of __init__ with its args (the
+        # message alone, which most of these __init__s do not take): an error raised in a
+        # process pool's worker, or sent between processes, comes back whole instead of as
+        # a TypeError that breaks the pool
+        return _rebuilt, (type(self), self.args, self.__dict__)
 
 
 class RedisUnavailable(ForkqError):
@@ -59,11 +73,6 @@ class OverLimit(ForkqError):
     def __init__(self, message: str, limiter: str) -> None:
         super().__init__(message)
         self.limiter = limiter
-
-    def __reduce__(self) -> tuple:
-        # pickled with both arguments: the default passes args (the message alone), and a
-        # job's limited call run in a process pool would come back as a broken pool
-        return type(self), (str(self), self.limiter), self.__dict__ or None
 
 
 class ResultNotReady(ForkqError, TimeoutError):

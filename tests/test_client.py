@@ -708,3 +708,20 @@ def test_a_push_whose_reply_is_lost_says_it_may_be_in_and_is_never_sent_twice(ow
         finally:
             cutter.close()
     admin.close()
+
+
+@pytest.mark.parametrize("error", [
+    forkq.errors.ResultNotReady("nothing kept by the deadline", "j1"),
+    forkq.errors.JobFailed("j1", "dead", "ValueError", "bad row"),
+    forkq.errors.UnstorableResult("not JSON", "j2"),
+    forkq.errors.RedisUnavailable("down", maybe_pushed=True),
+    forkq.errors.PartialEnqueue(["a"], ["b"], 2, 5, RuntimeError("cut")),
+    forkq.errors.OverLimit("full", "stripe"),
+], ids=lambda e: type(e).__name__)
+def test_forkq_errors_cross_processes_whole(error):
+    # raised in a process pool's worker (or sent through a multiprocessing queue), an error
+    # is pickled; rebuilt by calling __init__ with the message alone, it raised TypeError
+    # there and the pool came back broken
+    import pickle
+    back = pickle.loads(pickle.dumps(error))
+    assert (type(back), str(back), back.__dict__) == (type(error), str(error), error.__dict__)
