@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import payload, scripts
+from . import keys, payload, scripts
 
 if TYPE_CHECKING:
     import redis
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .client import Client
     from .jobs import Enqueuer, Job
 
-PREFIX = "forkq:batch:"
+PREFIX = keys.BATCH_PREFIX
 # A batch's keys live this long after its latest job ended (refreshed at most once a day),
 # and DONE_TTL_S once it succeeded: its status stays readable for a day. _batch.lua holds
 # the same numbers.
@@ -48,7 +48,7 @@ _open: contextvars.ContextVar["Batch | None"] = contextvars.ContextVar("forkq_ba
 def key(bid: str) -> str:
     """A batch's hash; "KEY:jids" is the set of its jobs that have not succeeded, and
     "KEY:failed" their last failures (scripts/_batch.lua)."""
-    return PREFIX + bid
+    return keys.batch(bid)
 
 
 def joining() -> "Batch | None":

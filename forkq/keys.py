@@ -50,6 +50,10 @@ FLUSHED_TTL_S = 3600
 
 # A job's kept outcome (`keep_result`): see result()
 RESULT_PREFIX = "forkq:result:"
+# A batch's hash, and its ":jids" and ":failed" beside it: see batch()
+BATCH_PREFIX = "forkq:batch:"
+# A rate limiter's key: see limiter()
+LIMITER_PREFIX = "forkq:limiter:"
 
 CRON_PREFIX = "forkq:cron:"
 # A periodic entry's hash outlives its last push or boot by this long: the key of an entry
@@ -129,3 +133,16 @@ def result(jid: str) -> str:
     """A `keep_result` job's outcome: a list of one JSON element (see forkq.results),
     expiring keep_result seconds after it was written."""
     return RESULT_PREFIX + jid
+
+
+def batch(bid: str) -> str:
+    """A batch's hash (description, total, sealed, callbacks...); "KEY:jids" is the set of
+    its jobs that have not succeeded, "KEY:failed" their last failures (forkq.batch,
+    scripts/_batch.lua, whose after-success actions know a batch by this prefix)."""
+    return BATCH_PREFIX + bid
+
+
+def limiter(name: str, kind: str) -> str:
+    """A rate limiter's state: a sorted set of leases (concurrent) or entries (window), or
+    a hash of its window and count (bucket); see forkq.limiter."""
+    return f"{LIMITER_PREFIX}{name}:{kind}"

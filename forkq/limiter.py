@@ -28,14 +28,14 @@ from typing import Any
 import redis
 
 from . import client as _client
-from . import logs, scripts
+from . import keys, logs, scripts
 from .errors import OverLimit
 
 __all__ = ["Concurrent", "Lease", "Window", "Bucket", "concurrent", "window", "bucket"]
 
 log = logs.get("forkq.limiter")
 
-PREFIX = "forkq:limiter:"
+PREFIX = keys.LIMITER_PREFIX
 INTERVALS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
 # Waits between attempts while a limiter is full: the first short, growing to a cap, each
 # drawn at random below its step so waiters that found it full together do not all come
@@ -110,7 +110,7 @@ class _Limiter:
         if client is not None and not isinstance(client, _client.Client):
             raise ValueError(f"client must be a forkq.Client or None, not {type(client).__name__}")
         self.client = client
-        self.key = f"{PREFIX}{name}:{self.kind}"
+        self.key = keys.limiter(name, self.kind)
 
     def _redis(self) -> redis.Redis:
         # looked up at each attempt: the default client may be replaced with configure(),
