@@ -51,18 +51,18 @@ local function batch_check(b)
     return
   end
   local pending = redis.call('SCARD', b .. ':jids')
-  local now
-  if not state[2] and redis.call('HLEN', b .. ':failed') >= pending then
-    local t = redis.call('TIME')
-    now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+  local complete = not state[2] and redis.call('HLEN', b .. ':failed') >= pending
+  local success = pending == 0 and not redis.call('HGET', b, 'success_at')
+  if not (complete or success) then
+    return
+  end
+  local t = redis.call('TIME')
+  local now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+  if complete then
     redis.call('HSET', b, 'complete_at', now)
     batch_push(b, 'on_complete', now)
   end
-  if pending == 0 and not redis.call('HGET', b, 'success_at') then
-    if not now then
-      local t = redis.call('TIME')
-      now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
-    end
+  if success then
     redis.call('HSET', b, 'success_at', now)
     batch_push(b, 'on_success', now)
     batch_expire(b, BATCH_DONE_TTL)

@@ -8,6 +8,7 @@
 -- (member, lock key or '', jid, batch key or '') quadruplets
 -- Returns how many entries were removed.
 --#include batch
+--#include unlock
 local removed = 0
 local zset = ARGV[1] == 'zset'
 for i = 3, #ARGV, 4 do
@@ -19,9 +20,8 @@ for i = 3, #ARGV, 4 do
   end
   if n > 0 then
     removed = removed + n
-    local lock = ARGV[i + 1]
-    if lock ~= '' and redis.call('GET', lock) == ARGV[i + 2] then
-      redis.call('DEL', lock)
+    if ARGV[i + 1] ~= '' then
+      unlock(ARGV, i + 1, i + 2)
     end
     if ARGV[i + 3] ~= '' then
       batch_failure(ARGV[i + 3], ARGV[i + 2], ARGV[2])

@@ -9,17 +9,16 @@
 -- key is fixed; from dead itself (a retry-now) it stays where it is.
 -- Returns how many jobs went onto their queues.
 local moved = 0
-local usable = {}  -- queue name -> whether its key can take an LPUSH, looked up once
+local kinds = {}  -- queue name -> the type of its key, looked up once
 local now
 for i = 1, #ARGV, 3 do
   local name = ARGV[i + 1]
-  local ok = usable[name]
-  if ok == nil then
-    local kind = redis.call('TYPE', 'queue:' .. name)['ok']
-    ok = kind == 'list' or kind == 'none'
-    usable[name] = ok
+  local kind = kinds[name]
+  if kind == nil then
+    kind = redis.call('TYPE', 'queue:' .. name)['ok']
+    kinds[name] = kind
   end
-  if ok then
+  if kind == 'list' or kind == 'none' then
     if redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
       redis.call('SADD', 'queues', name)
       redis.call('LPUSH', 'queue:' .. name, ARGV[i + 2])
@@ -33,8 +32,7 @@ for i = 1, #ARGV, 3 do
     -- the member's own text with the reason appended (cjson would rewrite its numbers);
     -- a key it already has (error_class after a failure) is written twice, and JSON
     -- readers keep the last
-    local why = 'queue:' .. name .. ' holds a ' .. redis.call('TYPE', 'queue:' .. name)['ok']
-      .. ', not a list: the job could not be pushed onto it'
+    local why = 'queue:' .. name .. ' holds a ' .. kind .. ', not a list: the job could not be pushed onto it'
     redis.call('ZADD', 'dead', now, string.gsub(ARGV[i], '%s*}%s*$', '')
       .. ',"error_class":"forkq.QueueNotAList","error_message":' .. cjson.encode(why) .. '}')
   end
