@@ -25,6 +25,16 @@ def _require_redis_server():
         pytest.fail(REDIS_MISSING, pytrace=False)
 
 
+@pytest.fixture(autouse=True)
+def _no_default_client_left():
+    """forkq's default client is made once per process, from FORKQ_REDIS_URL as it is then:
+    one a test made without redis_url (pointing at 6379) or at its own server must not
+    serve the next test in this worker, which would push there."""
+    yield
+    import forkq.client
+    forkq.client._default = None
+
+
 @pytest.fixture(scope="session")
 def redis_server():
     """One redis-server shared by the whole run (tests get it flushed via redis_url)."""

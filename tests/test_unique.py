@@ -367,7 +367,9 @@ def test_periodic_refuses_unique_for_and_ignores_the_jobs_own():
         cron.ENTRIES.pop("unique_test.cron3", None)
 
 
-def test_fake_mode_records_every_push_without_enforcing_uniqueness():
+def test_fake_mode_records_every_push_without_enforcing_uniqueness(redis_url):
+    # redis_url: inline mode runs the server middleware corekit registers, which records
+    # in the Redis FORKQ_REDIS_URL names
     with testing.fake() as jobs:
         assert sync.enqueue(7) and sync.enqueue(7)
         assert jobs.args(sync) == [[7], [7]]
