@@ -63,6 +63,15 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("bid", type=nonempty, help="the batch's id (forkq.Batch().bid)")
     p.add_argument("--limit", type=whole_number("--limit", 1, LIMIT_MAX), default=100,
                    help="show at most this many failures (default 100)")
+    for verb, what in (("pause", "stop every process claiming a queue's jobs (they stay queued)"),
+                       ("resume", "let processes claim a paused queue's jobs again")):
+        p = sub.add_parser(verb, parents=[common], help=what)
+        p.add_argument("queue", type=nonempty, help=f"the queue to {verb}")
+        if verb == "pause":
+            p.add_argument("--reason", help="why, shown by `forkq queues --json` and the dashboard")
+        p.add_argument("--wait", type=whole_number("--wait", 0, 86400), default=30, metavar="SECONDS",
+                       help="wait up to this long for every live process working the queue to "
+                            "report that it honours the change (default 30; 0: do not wait)")
     for name, actions in SET_ACTIONS.items():
         p = sub.add_parser(name, help=f"list or act on the {name} set")
         verbs = p.add_subparsers(dest="action", required=True, parser_class=ArgumentParser)
@@ -86,7 +95,8 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
                               help=argparse.SUPPRESS if verb in RUN_VERBS else MALFORMED_HELP)
 
 
-COMMANDS = ("stats", "queues", "processes", "busy", "suspects", "cron", "batch", *SET_ACTIONS)
+COMMANDS = ("stats", "queues", "processes", "busy", "suspects", "cron", "batch", "pause", "resume",
+            *SET_ACTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
             return _set_command(conn, args)
         if args.command == "batch":
             return _batch(conn, args)
+        if args.command in ("pause", "resume"):
+            return _pause(conn, args)
         data, table = {"stats": _stats, "queues": _queues, "processes": _processes,
                        "busy": _busy, "suspects": _suspects, "cron": _cron}[args.command](conn, args)
     except redis_errors() as exc:
@@ -220,9 +232,51 @@ def _queues(conn, args):
     from dataclasses import asdict
     from . import api
     qs = api.queues(conn)
-    table = _table(["queue", "size", "suspects", "latency"],
-                   [[q.name, q.size, q.suspects, _age(q.latency)] for q in qs])
-    return [asdict(q) for q in qs], table if qs else ["no queues"]
+    pauses = api.paused(conn) if any(q.paused for q in qs) else {}
+    table = _table(["queue", "size", "suspects", "latency", "state"],
+                   [[q.name, q.size, q.suspects, _age(q.latency), "paused" if q.paused else "active"]
+                    for q in qs])
+    data = [dict(asdict(q), pause=asdict(pauses[q.name]) if q.name in pauses else None) for q in qs]
+    return data, table if qs else ["no queues"]
+
+
+def _pause(conn, args) -> int:
+    """`forkq pause QUEUE` / `forkq resume QUEUE`, then wait for the live processes that
+    work it to report that they honour it: 1 if some did not in --wait seconds."""
+    import getpass
+    import socket
+    from . import pause
+    queue, pausing = args.queue, args.command == "pause"
+    try:
+        pause.check_queue(queue)
+    except ValueError as exc:
+        sys.stderr.write(f"forkq: {exc}\n")
+        return 2
+    if pausing:
+        try:
+            by = f"{getpass.getuser()}@{socket.gethostname()}"
+        except Exception:  # no user name for this uid (a container): the host says enough
+            by = socket.gethostname()
+        changed = pause.pause(conn, queue, args.reason, by)
+    else:
+        changed = pause.resume(conn, queue)
+    state = "paused" if pausing else "resumed"
+    name = _printable(queue)
+    lines = [f"queue {name} {state}" if changed else f"queue {name} was already {state.replace('resumed', 'active')}"]
+    late = pause.wait_honoured(conn, queue, args.wait, pausing) if args.wait else None
+    working = [hb["identity"] for hb in pause.working(conn, queue)]
+    if late is None:
+        lines.append(f"{len(working)} live processes work it; each honours this at its next heartbeat")
+    elif not late:
+        lines.append(f"all {len(working)} live processes working it honour this"
+                     if working else "no live process works it; those that start honour this")
+    else:
+        lines.append(f"{len(late)} of the live processes working it did not confirm within "
+                     f"{args.wait} s (Redis slow to them, or stuck): {', '.join(map(_printable, late))}")
+    _emit(args, {"queue": queue, "state": state, "changed": changed, "processes": working,
+                 "unconfirmed": late}, lines)
+    return 1 if late else 0
+
 
 
 def _processes(conn, args):

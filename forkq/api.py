@@ -25,6 +25,7 @@ from typing import Any, Self
 import redis
 
 from . import batch, client, control, keys, payload, scripts, unique
+from .pause import Pause, pause, paused, resume, wait_honoured  # noqa: F401  (the API)
 from .errors import MalformedPayload
 from .fetch import crash_id
 from .retry import MALFORMED_CLASS
@@ -53,6 +54,8 @@ class QueueInfo:
     # jobs held by a process that crashed, waiting on the queue's suspects list to run one at
     # a time, each alone; not counted in `size` (a worker takes them before the queue)
     suspects: int = 0
+    # paused with forkq.api.pause (pause.py): jobs wait on it, and no process claims them
+    paused: bool = False
 
 
 def _latency(raw: bytes | None, now: float) -> float:
@@ -76,12 +79,16 @@ def stamp(value: Any) -> float | None:
 
 
 def queues(conn: redis.Redis) -> list[QueueInfo]:
-    """Every queue in the `queues` set with its length, latency and crash suspects (three
-    commands a queue, in one round trip)."""
-    names = sorted(_text(n) for n in conn.smembers(keys.QUEUES))
+    """Every queue in the `queues` set, and every paused one, with its length, latency,
+    crash suspects and whether it is paused (three commands a queue, in one round trip)."""
+    pipe = conn.pipeline(transaction=False)
+    pipe.smembers(keys.QUEUES)
+    pipe.hkeys(keys.PAUSED)
+    listed, paused_ = pipe.execute()
+    paused_names = {_text(n) for n in paused_}
+    names = sorted({_text(n) for n in listed} | paused_names)
     if not names:
         return []
-    pipe = conn.pipeline(transaction=False)
     for name in names:
         pipe.llen(keys.queue(name))
         pipe.lindex(keys.queue(name), -1)
@@ -89,7 +96,7 @@ def queues(conn: redis.Redis) -> list[QueueInfo]:
     replies = pipe.execute()
     now = time.time()
     return [QueueInfo(name, int(replies[3 * i]), _latency(replies[3 * i + 1], now),
-                      int(replies[3 * i + 2]))
+                      int(replies[3 * i + 2]), name in paused_names)
             for i, name in enumerate(names)]
 
 

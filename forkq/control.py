@@ -178,8 +178,18 @@ def heartbeats(conn: redis.Redis) -> list[dict[str, Any]]:
                     "rss_kb": _number(h.get(b"rss"), int),
                     # Sidekiq 8.1.2+ keeps its thread count here and no longer in info
                     "concurrency": _number(h.get(b"concurrency"), int) or None,
-                    "beat_age": now - beat if beat and math.isfinite(beat) else None})
+                    "beat_age": now - beat if beat and math.isfinite(beat) else None,
+                    # the paused queues this process honours (forkq's own field; see pause.py)
+                    "paused": _names(h.get(b"forkq_paused"))})
     return out
+
+
+def _names(raw: bytes | None) -> list[str]:
+    try:
+        names = json.loads(raw) if raw else []
+    except ValueError:
+        return []
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
 
 def _number(raw: bytes | None, kind: type) -> Any:

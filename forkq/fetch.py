@@ -142,8 +142,9 @@ class ReliableFetch:
         self._uncertain: list[tuple[int, int]] = []
 
     # -- registry -------------------------------------------------------------------
-    def register(self) -> None:
-        """Record this process as an owner of private structures, before any claim."""
+    def register(self) -> frozenset[str]:
+        """Record this process as an owner of private structures, before any claim; returns
+        which of its queues are paused (so that not even its first claim takes from them)."""
         info = {"queues": self.order.names, "host": socket.gethostname(), "pid": os.getpid(),
                 "pidns": pid_namespace(), "master": self.master, "started_at": time.time(),
                 "heartbeat_interval": self.heartbeat_interval}
@@ -153,7 +154,9 @@ class ReliableFetch:
         # is judged by, and never falls back to started_at, written by this host's clock
         pipe.set(keys.alive(self.identity), 1, px=keys.ALIVE_TTL_S * 1000)
         pipe.hset(keys.OWNERS, self.identity, self.owner_json)
-        pipe.execute()
+        pipe.hmget(keys.PAUSED, self.order.names)
+        records = pipe.execute()[-1]
+        return frozenset(q for q, record in zip(self.order.names, records) if record is not None)
 
     # -- claiming -------------------------------------------------------------------
     def fetch(self, want: int) -> list[Unit]:
@@ -164,7 +167,10 @@ class ReliableFetch:
             self.flush_acks()  # a suspect's ack and its crash count's delete go together
         after = self._take_after() if self._after else ()
         acks = self._take_acks(4000)
-        landed = [q for q in self.order.names if q in self._landed]
+        # a paused queue's landing list waits for its resume (Manager.queues_paused gave
+        # back what it held when the pause began)
+        paused = self.order.paused
+        landed = [q for q in self.order.names if q in self._landed and q not in paused]
         self._landed.difference_update(landed)
         order = self.order() if want > 0 else []
         keys_ = [self.inflight_key] + [self._landing_keys[q] for q in landed]
@@ -576,6 +582,11 @@ class Waiters:
         self._stopping = False
         self._quiet = False
         self._paused = False
+        # per queue: set unless the queue is paused (pause.py); its waiter blocks on it
+        # instead of in Redis, and catches nothing there
+        self._open = {q: threading.Event() for q in fetch.order.names}
+        for ev in self._open.values():
+            ev.set()
         self._client_ids: dict[str, int | None] = {}
         self._connections: dict[str, AbstractConnection] = {}
         self._ids_refused = False  # CLIENT ID refused (an ACL without CLIENT): ask no more
@@ -608,10 +619,24 @@ class Waiters:
     def resume(self) -> None:
         self._paused = False
 
+    def set_paused(self, paused: frozenset[str]) -> None:
+        """Block on no queue in `paused`: a wait already blocking on one ends now (what it
+        caught meanwhile goes back), and its waiter sleeps until the queue is resumed."""
+        newly = [q for q, ev in self._open.items() if q in paused and ev.is_set()]
+        for q, ev in self._open.items():
+            if q in paused:
+                ev.clear()
+            else:
+                ev.set()
+        if newly:
+            self._unblock(newly)
+
     def stop(self, timeout: float) -> None:
         """Stop blocking; returns once no BLMOVE is in flight (or the timeout passed)."""
         self._stopping = True
         self._armed.set()
+        for ev in self._open.values():
+            ev.set()
         answered = self._unblock()
         deadline = time.monotonic() + timeout
         # A BLMOVE that reached Redis just after that unblock (sent as the stop began, or
@@ -635,11 +660,13 @@ class Waiters:
             if t.is_alive() and (connection := self._connections.get(queue)) is not None:
                 _shut(connection)
 
-    def _unblock(self) -> bool:
-        """End blocking waits now instead of at their timeout, so a stop takes milliseconds.
-        False if Redis did not answer (trying again would only wait out more timeouts)."""
+    def _unblock(self, queues: list[str] | None = None) -> bool:
+        """End blocking waits (on `queues`, else all) now instead of at their timeout, so a
+        stop takes milliseconds. False if Redis did not answer (trying again would only
+        wait out more timeouts)."""
         answered = True
-        for client_id in list(self._client_ids.values()):
+        ids = self._client_ids if queues is None else {q: self._client_ids.get(q) for q in queues}
+        for client_id in list(ids.values()):
             if client_id is not None:
                 try:
                     self._fetch.redis.client_unblock(client_id)
@@ -682,15 +709,19 @@ class Waiters:
         conn.connection_pool.connection_kwargs["redis_connect_func"] = functools.partial(
             self._learn_id, queue)
         refused = False
+        open_ = self._open[queue]
         while True:
             self._armed.wait()
             if self._stopping:
                 return
+            if not open_.is_set():
+                open_.wait()  # the queue is paused: set again by its resume, or by stop()
+                continue
             try:
                 if self._stopping or self._quiet or self._paused:
                     continue
                 if self._fetch.wait_for(queue, conn):
-                    if self._quiet or self._paused:
+                    if self._quiet or self._paused or not open_.is_set():
                         # a quiet (or isolating) process must not hold a job nobody will start
                         self._fetch.give_back_landed(queue, conn)
                     else:

@@ -54,6 +54,9 @@ RESULT_PREFIX = "forkq:result:"
 BATCH_PREFIX = "forkq:batch:"
 # A rate limiter's key: see limiter()
 LIMITER_PREFIX = "forkq:limiter:"
+# Paused queues (pause.py): queue name -> JSON {"at": epoch s, "reason": ..., "by": ...}.
+# Every process reads it at its heartbeat and claims nothing from the queues it names.
+PAUSED = "forkq:paused"
 
 CRON_PREFIX = "forkq:cron:"
 # A periodic entry's hash outlives its last push or boot by this long: the key of an entry

@@ -176,16 +176,26 @@ class Launcher:
             "rss": self._proc.memory_info().rss // 1024,
             # Sidekiq 8.1.2+ reads a process's thread count from this field, not from info:
             # without it its Web UI shows forkq with 0 threads and 0% utilisation
-            "concurrency": self._concurrency})
+            "concurrency": self._concurrency,
+            # the paused queues this process claims nothing from (pause.wait_honoured)
+            "forkq_paused": json.dumps(sorted(self.manager.fetch.order.paused))})
         pipe.expire(self.identity, keys.HEARTBEAT_TTL_S)
-        suspect_keys = list(self.manager.fetch.suspect_keys.values())
-        for key in suspect_keys:
+        suspects = self.manager.fetch.suspect_keys
+        for key in suspects.values():
             pipe.llen(key)
+        names = list(suspects)
+        pipe.hmget(keys.PAUSED, names)
         pipe.rpop(keys.signals(self.identity))
         result = pipe.execute()
         self._flushed = self._pending
-        # jobs a crash made suspects: the manager runs them one at a time, each alone
-        self.manager.suspects_seen(sum(int(n or 0) for n in result[-1 - len(suspect_keys):-1]))
+        paused = frozenset(q for q, record in zip(names, result[-2]) if record is not None)
+        if self.manager.queues_paused(paused):
+            # report at once which pauses it honours now: `forkq pause` may be waiting
+            self.redis.hset(self.identity, "forkq_paused", json.dumps(sorted(paused)))
+        # jobs a crash made suspects: the manager runs them one at a time, each alone;
+        # a paused queue's wait until it is resumed
+        counts = result[-2 - len(names):-2]
+        self.manager.suspects_seen(sum(int(n or 0) for q, n in zip(names, counts) if q not in paused))
         sig = result[-1]
         if sig:
             # whatever a client pushed there: bytes that are not UTF-8 are an unknown

@@ -426,13 +426,37 @@ class Manager:
             self.suspects_waiting = now
             self._wake.set()
 
+    def queues_paused(self, paused: frozenset[str]) -> bool:
+        """The heartbeat read which of this process's queues are paused (pause.py): claim
+        from none of them, block on none of them. True if that changed anything."""
+        order = self.fetch.order
+        before = order.paused
+        if paused == before:
+            return False
+        # Under the baton, so no claim is on its way with the old order: once this returns
+        # (and the heartbeat says the pause is honoured) no job of a paused queue starts.
+        # The order first, so a claim made next tries none of them; then the waiters, so
+        # one blocking on a paused queue is unblocked and finds it closed; then what a
+        # waiter caught just before goes back (fetch() no longer drains those lists).
+        with self._baton:
+            order.set_paused(paused)
+            self.waiters.set_paused(paused)
+            for queue in sorted(paused - before):
+                self.fetch.give_back_landed(queue)
+        for queue in sorted(paused - before):
+            log.info("queue paused: no more of its jobs start here until it is resumed", queue=queue)
+        for queue in sorted(before - paused):
+            log.info("queue resumed", queue=queue)
+        self._wake.set()  # a resumed queue may have jobs waiting: claim now
+        return True
+
     def _register(self) -> bool:
         """Enter the owners registry before the first claim; False if stopped first."""
         delay = 0.05
         refused = False
         while not self.quiet_flag:
             try:
-                self.fetch.register()
+                paused = self.fetch.register()
             except (*REDIS_ERRORS, redis.ResponseError) as exc:
                 # A full Redis refuses the registry's HSET; raised, it ended this thread,
                 # and the process lived on heartbeating with nothing fetching its jobs
@@ -449,6 +473,7 @@ class Manager:
                 delay = min(delay * 2, 2.0)
                 continue
             self.health.ok()
+            self.queues_paused(paused)
             return True
         return False
 

@@ -336,13 +336,17 @@ class Collector:
         suspects = GaugeMetricFamily("forkq_queue_suspects", "Jobs of each queue a crashed process "
                                      "held, waiting to run one at a time, alone" + same,
                                      labels=["queue"])
+        paused = GaugeMetricFamily("forkq_queue_paused", "1 while a queue is paused (no process "
+                                   "claims its jobs), else 0" + same, labels=["queue"])
         for q in found or []:
             size.add_metric([q.name], q.size)
             latency.add_metric([q.name], q.latency)
             suspects.add_metric([q.name], q.suspects)
+            paused.add_metric([q.name], 1 if q.paused else 0)
         yield size
         yield latency
         yield suspects
+        yield paused
 
 
 def _le(bound: float) -> str:

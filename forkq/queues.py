@@ -41,6 +41,9 @@ class QueueOrder:
             if name not in names:
                 names.append(name)
         self.names = names
+        # the names a fetch may try: all of them, less the paused ones (set_paused)
+        self.active = names
+        self.paused: frozenset[str] = frozenset()
         weights = [w for _, w in specs]
         self.weights = {name: max(w, 1) for name, w in specs}
         if not any(weights):
@@ -50,14 +53,21 @@ class QueueOrder:
         else:
             self.mode = "weighted"
 
+    def set_paused(self, paused: frozenset[str]) -> None:
+        """Leave out the queues in `paused` from now on (one list swap: fetches running on
+        other threads see the old list or the new one, whole)."""
+        self.paused = paused
+        self.active = [n for n in self.names if n not in paused] if paused else self.names
+
     def __call__(self) -> list[str]:
-        if self.mode == "strict" or len(self.names) == 1:
-            return self.names
+        active = self.active
+        if self.mode == "strict" or len(active) <= 1:
+            return active
         if self.mode == "random":
-            order = self.names[:]
+            order = active[:]
             random.shuffle(order)
             return order
         # weighted order without replacement (Efraimidis-Spirakis): the same distribution
         # as shuffling a pool with each name `weight` times, without building that pool
-        keys = {name: random.random() ** (1.0 / self.weights[name]) for name in self.names}
-        return sorted(self.names, key=keys.__getitem__, reverse=True)
+        keys = {name: random.random() ** (1.0 / self.weights[name]) for name in active}
+        return sorted(active, key=keys.__getitem__, reverse=True)

@@ -56,7 +56,7 @@ def test_stats_and_queues_json_match_the_api_and_tables_print(r, redis_url):
     table = run("queues")
     assert table.returncode == 0
     lines = table.stdout.splitlines()
-    assert lines[0].split() == ["queue", "size", "suspects", "latency"]
+    assert lines[0].split() == ["queue", "size", "suspects", "latency", "state"]
     assert lines[1].split()[:3] == ["alpha", "2", "0"] and lines[2].split()[:3] == ["beta", "1", "2"]
     totals = run("stats").stdout.splitlines()
     assert dict(zip(totals[0].split(), totals[1].split()))["suspects"] == "2"

@@ -144,6 +144,7 @@ def test_busy_threads_and_queue_size_and_latency(start_master, redis_url, r):
     # and two of its jobs wait as crash suspects, which nobody runs either
     r.lpush(keys.suspects("backlog"), *[json.dumps({"class": "metrics.ok", "args": [0], "jid": j * 24,
                                                     "queue": "backlog"}) for j in "ab"])
+    r.hset(keys.PAUSED, "backlog", "{}")  # and it is paused
 
     def busy():
         s = scrape(port)
@@ -153,6 +154,8 @@ def test_busy_threads_and_queue_size_and_latency(start_master, redis_url, r):
     assert value(s, "forkq_queue_size", queue="default") == 0
     assert value(s, "forkq_queue_suspects", queue="backlog") == 2
     assert value(s, "forkq_queue_suspects", queue="default") == 0
+    assert value(s, "forkq_queue_paused", queue="backlog") == 1
+    assert value(s, "forkq_queue_paused", queue="default") == 0
     assert value(s, "forkq_redis_up") == 1
     first = value(s, "forkq_queue_latency_seconds", queue="backlog")
     assert 0 <= first < 30

@@ -789,3 +789,27 @@ def test_a_key_of_the_wrong_type_is_a_readable_500(browser, r, redis_url):
     page = browser.get("/dead")
     assert page.status == 500 and "Redis answered: WRONGTYPE" in page.text
     assert browser.get("/retries").status == 200
+
+
+@pytest.mark.timeout(30)
+def test_pause_and_resume_buttons_pause_the_queue_and_show_who_and_why(browser, r, redis_url):
+    forkq.Client(redis_url).push("app.Mail", ["x"], queue="mailq")
+    page = browser.get("/queues")
+    assert 'value="pause"' in page.text and "paused" not in page.text
+    hostile = "<script>alert(1)</script> provider down"
+    resp = browser.post("/queues/mailq", {"do": "pause", "reason": hostile, "back": "/queues"},
+                        csrf=page.csrf)
+    assert resp.status == 303 and resp.headers["Location"] == "/queues"
+    record = json.loads(r.hget("forkq:paused", "mailq"))
+    assert record["reason"] == hostile and record["by"].startswith("dashboard (")
+    listing = browser.get("/queues")
+    assert 'value="resume"' in listing.text and ">paused<" in listing.text
+    assert "<script>" not in listing.text
+    one = browser.get("/queues/mailq")
+    assert 'id="paused"' in one.text and "provider down" in one.text and "<script>" not in one.text
+    browser.post("/queues/mailq", {"do": "resume"}, csrf=one.csrf)
+    assert not r.hexists("forkq:paused", "mailq")
+    assert r.llen("queue:mailq") == 1  # pausing and resuming touch no job
+    # a queue paused before anything was pushed to it has a page, not a 404
+    browser.post("/queues/later", {"do": "pause"}, csrf=one.csrf)
+    assert browser.get("/queues/later").status == 200

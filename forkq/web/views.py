@@ -156,7 +156,10 @@ def _lookup_queued(queue: api.Queue, key: str) -> api.Entry | None:
 
 
 def queues_page(dash: "Dashboard", req: Request) -> Response:
-    return dash.render(req, "queues.html", queues=api.queues(dash.redis()))
+    conn = dash.redis()
+    queues = api.queues(conn)
+    pauses = api.paused(conn) if any(q.paused for q in queues) else {}
+    return dash.render(req, "queues.html", queues=queues, pauses=pauses, now=time.time())
 
 
 def queue_page(dash: "Dashboard", req: Request, name: str) -> Response:
@@ -168,7 +171,8 @@ def queue_page(dash: "Dashboard", req: Request, name: str) -> Response:
     # a queue out of the `queues` set whose crash suspects still wait is shown, not a 404
     suspects = api.Suspects(conn, name)
     suspect_total = suspects.size()
-    if not total and not suspect_total and not queue.listed():
+    pause = api.paused(conn).get(name)
+    if not total and not suspect_total and pause is None and not queue.listed():
         return dash.render(req, "error.html", status="404 Not Found", back=("/queues", "Queues"),
                            message=f"There is no queue named {visible(capped(name, 200))}.")
     pages = max(1, math.ceil(total / dash.page_size))
@@ -179,20 +183,39 @@ def queue_page(dash: "Dashboard", req: Request, name: str) -> Response:
     shown = suspects.page(0, dash.page_size) if suspect_total else []
     return dash.render(req, "queue.html", name=name, entries=entries, total=total, page=page,
                        pages=pages, next_first=next_first, key=queued_key, now=time.time(),
-                       suspects=shown, suspect_total=suspect_total)
+                       suspects=shown, suspect_total=suspect_total, pause=pause)
 
 
 def queue_action(dash: "Dashboard", req: Request, name: str) -> Response:
     """The Delete button of one queued job: do=delete|KEY. It removes exactly the bytes it
     finds under KEY; a job that has run meanwhile (or was pushed past QUEUE_SEARCH_MAX
-    newer jobs) is not found."""
+    newer jobs) is not found. do=pause (with an optional reason) and do=resume pause and
+    resume the whole queue for every process (forkq.pause)."""
     action, _, key = req.field("do").partition("|")
+    if action in ("pause", "resume"):
+        return _pause_action(dash, req, name, action)
     if action != "delete":
         raise BadRequest(f"unknown action {action!r} for a queue")
     queue = api.Queue(dash.redis(), name)
     entry = _lookup_queued(queue, key)
     done = queue.delete(entry.raw) if entry is not None else 0
     dash.flash(req, f"delete: {done} job{'s' if done != 1 else ''}")
+    return Response.redirect(dash.back(req, "/queues/" + quote(name)))
+
+
+def _pause_action(dash: "Dashboard", req: Request, name: str, action: str) -> Response:
+    conn = dash.redis()
+    try:
+        if action == "pause":
+            reason = req.field("reason").strip()[:500] or None
+            changed = api.pause(conn, name, reason, f"dashboard ({req.environ.get('REMOTE_ADDR') or 'unknown'})")
+        else:
+            changed = api.resume(conn, name)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    done = "paused" if action == "pause" else "resumed"
+    dash.flash(req, f"{done}: processes honour it at their next heartbeat" if changed
+               else f"already {'paused' if action == 'pause' else 'active'}")
     return Response.redirect(dash.back(req, "/queues/" + quote(name)))
 
 
