@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 from . import keys, payload, scripts
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import redis
 
     from .client import Client
@@ -121,11 +123,10 @@ class Batch:
             raise RuntimeError("a batch is already open here: batches do not nest")
         from . import client as client_module
         if client_module.test_push is None:
-            pipe = self.client.redis.pipeline(transaction=True)
-            pipe.hset(key(self.bid), mapping={"description": self.description,
-                                              "created_at": repr(time.time()), "sealed": "0"})
-            pipe.expire(key(self.bid), TTL_S)
-            pipe.execute()
+            # one call: the hash, and the batch's entry in the index `forkq batches` lists
+            scripts.load(self.client.redis, "batch_open")(
+                keys=[key(self.bid), keys.BATCHES],
+                args=[self.bid, self.description, repr(time.time()), keys.BATCHES_MAX])
         self._state = "open"
         self._token = _open.set(self)
         return self
@@ -308,6 +309,17 @@ def on_failure(redis_client: "redis.Redis", job: dict[str, Any], exc: BaseExcept
 
 
 # -- reading -------------------------------------------------------------------------------
+# what `forkq batch`, `forkq batches` and the dashboard call a batch, in the order it goes
+STATES = ("open", "running", "complete", "succeeded", "abandoned")
+
+
+def state_of(sealed: bool, abandoned: bool, complete: bool, success: bool) -> str:
+    """open (its `with` has not ended), running (sealed, waiting for its jobs), complete
+    (on_complete's condition met), succeeded, or abandoned (an exception left the `with`)."""
+    return ("succeeded" if success else "complete" if complete else "abandoned" if abandoned
+            else "running" if sealed else "open")
+
+
 @dataclass(frozen=True)
 class BatchStatus:
     """What forkq.batch_status() reads. `pending`: jobs that have not succeeded (yet);
@@ -327,6 +339,10 @@ class BatchStatus:
     success: bool
     complete_at: float | None
     success_at: float | None
+
+    @property
+    def state(self) -> str:
+        return state_of(self.sealed, self.abandoned, self.complete, self.success)
 
 
 def batch_status(bid: str, client: "Client | None" = None) -> BatchStatus | None:
@@ -357,3 +373,98 @@ def read_status(r: "redis.Redis", bid: str) -> BatchStatus | None:
         sealed=meta.get("sealed") == "1", abandoned=meta.get("abandoned") == "1",
         complete="complete_at" in meta, success="success_at" in meta,
         complete_at=when("complete_at"), success_at=when("success_at"))
+
+
+@dataclass(frozen=True)
+class BatchSummary:
+    """A batch as `forkq batches` lists it: BatchStatus's counts without its failures
+    (`failed` counts them: jobs whose last try failed and that have not succeeded since)."""
+
+    bid: str
+    description: str
+    created_at: float
+    state: str
+    total: int
+    pending: int
+    failed: int
+    complete_at: float | None
+    success_at: float | None
+
+
+# what a listing reads of each batch's hash: never the callbacks' payloads, which may be big
+_SUMMARY_FIELDS = ("description", "created_at", "total", "sealed", "abandoned", "complete_at",
+                   "success_at")
+
+
+def recent(r: "redis.Redis", limit: int = 100,
+           states: "Iterable[str] | None" = None) -> list[BatchSummary]:
+    """The newest batches Redis holds, newest first: up to `limit` of them, only those in
+    `states` (of STATES) if given. Reads the index (keys.BATCHES) a page at a time and each
+    page's batches in one pipelined round trip; an entry whose batch has expired is dropped
+    from the index as it is read. A batch opened more than keys.BATCHES_MAX batches ago is
+    not listed, nor is one that outlived its opening by 30 days and was pruned meanwhile,
+    though `forkq batch BID` still reads it."""
+    wanted = None if states is None else set(states)
+    if wanted is not None and not wanted <= set(STATES):
+        raise ValueError(f"unknown batch state(s) {sorted(wanted - set(STATES))}: "
+                         f"expected some of {', '.join(STATES)}")
+    page = min(max(limit + 10, 100), 1000)
+    out: list[BatchSummary] = []
+    seen: set[bytes] = set()
+    start = 0
+    while len(out) < limit:
+        members = r.zrevrange(keys.BATCHES, start, start + page - 1, withscores=True)
+        if not members:
+            break
+        pipe = r.pipeline(transaction=False)
+        for raw, _ in members:
+            b = PREFIX.encode() + raw
+            pipe.hmget(b, _SUMMARY_FIELDS)
+            pipe.scard(b + b":jids")
+            pipe.hlen(b + b":failed")
+        replies = pipe.execute(raise_on_error=False)
+        gone = []
+        for i, (raw, score) in enumerate(members):
+            meta, pending, failed = replies[3 * i: 3 * i + 3]
+            # expired, or (WRONGTYPE) a key of that name that no batch of forkq's wrote
+            if any(isinstance(v, Exception) for v in (meta, pending, failed)) or \
+                    all(v is None for v in meta):
+                gone.append(raw)
+                continue
+            if raw in seen:  # a batch opened meanwhile moved the ranks on by one
+                continue
+            seen.add(raw)
+            summary = _summary(raw, score, meta, pending, failed)
+            if wanted is None or summary.state in wanted:
+                out.append(summary)
+        if gone:
+            r.zrem(keys.BATCHES, *gone)
+        if len(members) < page:
+            break
+        start += len(members) - len(gone)
+    return out[:limit]
+
+
+def _summary(raw: bytes, score: float, meta: list[bytes | None], pending: int,
+             failed: int) -> BatchSummary:
+    fields = dict(zip(_SUMMARY_FIELDS, (None if v is None else v.decode("utf-8", "replace")
+                                        for v in meta)))
+
+    def number(name: str) -> float | None:
+        try:
+            return float(fields[name]) if fields[name] is not None else None
+        except ValueError:  # not forkq's writing: shown as missing, not a failed listing
+            return None
+    created_at = number("created_at")
+    try:
+        total = int(fields["total"] or 0)
+    except ValueError:
+        total = 0
+    return BatchSummary(
+        bid=raw.decode("utf-8", "replace"), description=fields["description"] or "",
+        created_at=score if created_at is None else created_at,
+        state=state_of(fields["sealed"] == "1", fields["abandoned"] == "1",
+                       fields["complete_at"] is not None, fields["success_at"] is not None),
+        total=total,
+        pending=pending, failed=failed,
+        complete_at=number("complete_at"), success_at=number("success_at"))

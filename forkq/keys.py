@@ -52,6 +52,11 @@ FLUSHED_TTL_S = 3600
 RESULT_PREFIX = "forkq:result:"
 # A batch's hash, and its ":jids" and ":failed" beside it: see batch()
 BATCH_PREFIX = "forkq:batch:"
+# The index of batches, for listing them: a sorted set, bid -> created_at. Written by the
+# script that opens a batch, which also prunes it (forkq.batch.recent drops what it finds
+# expired); at most BATCHES_MAX entries, the oldest leaving first.
+BATCHES = "forkq:batches"
+BATCHES_MAX = 10_000
 # A rate limiter's key: see limiter()
 LIMITER_PREFIX = "forkq:limiter:"
 # Paused queues (pause.py): queue name -> JSON {"at": epoch s, "reason": ..., "by": ...}.

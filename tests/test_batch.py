@@ -12,13 +12,14 @@ import os
 import re
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import redis
 
 import forkq
-from forkq import api
+from forkq import api, keys
 from forkq import batch as batch_mod
 from forkq import testing
 from forkq.fetch import requeue_owner_counts
@@ -115,8 +116,8 @@ def test_pushes_inside_join_the_batch_in_the_same_multi(client, r):
     (scheduled,) = r.zrange("schedule", 0, -1)
     assert json.loads(scheduled)["bid"] == batch.bid
     assert {m.decode() for m in r.smembers(f"forkq:batch:{batch.bid}:jids")} == {one, *many, later}
-    # one MULTI per push (enqueue_many's chunk is one push), and one for opening the batch
-    assert r.info("commandstats")["cmdstat_exec"]["calls"] - before == 4
+    # one MULTI per push (enqueue_many's chunk is one push); the opening is a script call
+    assert r.info("commandstats")["cmdstat_exec"]["calls"] - before == 3
     status = forkq.batch_status(batch.bid)
     assert (status.total, status.pending, status.failures) == (5, 5, {})
     assert status.sealed and not status.complete and not status.success and not status.abandoned
@@ -543,3 +544,101 @@ def test_jobs_an_operator_deletes_count_as_failed_so_the_batch_completes(client,
     status = batch.status()
     assert (status.pending, status.complete, status.success) == (2, True, False)
     assert {jid: f["fate"] for jid, f in status.failures.items()} == {queued: "deleted", later: "deleted"}
+
+
+# -- the index that lists batches (forkq batches, /batches) ------------------------------
+
+
+def test_opening_a_batch_indexes_it_in_the_same_single_call(client, r):
+    r.config_resetstat()
+    batch = forkq.Batch(description="indexed")
+    with batch:
+        stats = r.info("commandstats")
+        # one call, EVALSHA: the hash and its index entry together, in no MULTI
+        assert stats["cmdstat_evalsha"]["calls"] == 1 and "cmdstat_exec" not in stats
+        created = float(r.hget(f"forkq:batch:{batch.bid}", "created_at"))
+        assert r.zrange(keys.BATCHES, 0, -1, withscores=True) == [(batch.bid.encode(), created)]
+        assert 0 < r.ttl(f"forkq:batch:{batch.bid}") <= batch_mod.TTL_S
+    assert r.zcard(keys.BATCHES) == 1  # sealing adds nothing
+    with testing.fake():
+        with forkq.Batch():
+            pass
+    assert r.zcard(keys.BATCHES) == 1  # a batch under forkq.testing touches no Redis
+
+
+def test_recent_lists_the_newest_first_with_their_states_and_counts(client, r):
+    # a `with` not left yet (another thread's: batches do not nest)
+    opener = threading.Thread(target=forkq.Batch(description="still open").__enter__)
+    opener.start()
+    opener.join()
+    with pytest.raises(KeyError):
+        with forkq.Batch(description="gave up"):
+            raise KeyError("x")
+    with forkq.Batch(description="done"):
+        pass
+    with forkq.Batch(description="all failed") as failed_batch:
+        (bad,) = load.enqueue_many([[1]])
+    batch_mod.record_failure(r, {"bid": failed_batch.bid, "jid": bad}, "E", "m", "dead")
+    with forkq.Batch(description="half failed") as running:
+        one, _ = load.enqueue_many([[1], [2]])
+    batch_mod.record_failure(r, {"bid": running.bid, "jid": one}, "E", "m", "retry")
+    listed = batch_mod.recent(r)
+    assert [(b.description, b.state, b.total, b.pending, b.failed) for b in listed] == [
+        ("half failed", "running", 2, 2, 1), ("all failed", "complete", 1, 1, 1),
+        ("done", "succeeded", 0, 0, 0), ("gave up", "abandoned", 0, 0, 0),
+        ("still open", "open", 0, 0, 0)]
+    assert listed[0].bid == running.bid and listed[0].created_at == running.status().created_at
+    assert listed[2].success_at is not None and listed[1].complete_at is not None
+    assert [b.description for b in batch_mod.recent(r, limit=2)] == ["half failed", "all failed"]
+    assert [b.description for b in batch_mod.recent(r, states=["succeeded", "abandoned"])] == [
+        "done", "gave up"]
+    # the state read from the hash is the one `forkq batch` and batch_status give
+    assert [b.state for b in listed] == [forkq.batch_status(b.bid).state for b in listed]
+    with pytest.raises(ValueError, match="unknown batch state"):
+        batch_mod.recent(r, states=["pending"])
+
+
+def test_expired_batches_leave_the_index_as_it_is_read_and_as_batches_open(client, r):
+    now = time.time()
+    old = now - batch_mod.TTL_S - 60
+    alive_old = forkq.Batch(description="alive for long")
+    with alive_old:
+        pass
+    # opened long ago, kept alive since (its jobs kept ending): its entry must stay
+    r.zadd(keys.BATCHES, {alive_old.bid: old - 1})
+    # entries whose keys expired: long ago, and recently (a batch that succeeded yesterday)
+    r.zadd(keys.BATCHES, {f"gone-old-{i}": old - i for i in range(3)})
+    r.zadd(keys.BATCHES, {"gone-recent": now - 3600})
+    with forkq.Batch(description="new") as new:
+        pass
+    # opening dropped the old entries whose batch is gone, and looked at no recent one
+    assert {m.decode() for m in r.zrange(keys.BATCHES, 0, -1)} == {alive_old.bid, "gone-recent", new.bid}
+    assert [b.bid for b in batch_mod.recent(r)] == [new.bid, alive_old.bid]
+    assert {m.decode() for m in r.zrange(keys.BATCHES, 0, -1)} == {alive_old.bid, new.bid}
+    # a key of a batch's name holding something else is no batch: skipped and dropped too
+    r.zadd(keys.BATCHES, {"not-a-hash": now})
+    r.set("forkq:batch:not-a-hash", "x")
+    assert [b.bid for b in batch_mod.recent(r)] == [new.bid, alive_old.bid]
+    assert r.zscore(keys.BATCHES, "not-a-hash") is None
+
+
+def test_recent_reads_past_pages_of_expired_entries(client, r):
+    with forkq.Batch(description="oldest") as kept:
+        pass
+    now = time.time()
+    r.zadd(keys.BATCHES, {f"gone-{i}": now + i for i in range(250)})
+    (found,) = batch_mod.recent(r, limit=5)
+    assert found.bid == kept.bid and r.zcard(keys.BATCHES) == 1
+
+
+def test_the_index_keeps_at_most_batches_max_entries(client, r, monkeypatch):
+    monkeypatch.setattr(keys, "BATCHES_MAX", 3)
+    bids = []
+    for i in range(5):
+        with forkq.Batch(description=str(i)) as b:
+            pass
+        bids.append(b.bid)
+    assert [m.decode() for m in r.zrange(keys.BATCHES, 0, -1)] == bids[2:]
+    assert [b.description for b in batch_mod.recent(r)] == ["4", "3", "2"]
+    # the batches themselves are untouched: only the listing forgets the oldest
+    assert forkq.batch_status(bids[0]).state == "succeeded"
