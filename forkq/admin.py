@@ -1,6 +1,6 @@
-"""The admin commands: `forkq stats`, `queues`, `processes`, `busy`, `suspects`, `cron` and the
-dead, retry and schedule sets. Read-only views and bulk actions on what is in Redis, as tables for
-people and --json for scripts; the data comes from forkq.api."""
+"""The admin commands: `forkq stats`, `queues`, `processes`, `busy`, `suspects`, `cron`,
+`batch`, `batches` and the dead, retry and schedule sets. Read-only views and bulk actions on
+what is in Redis, as tables for people and --json for scripts; the data comes from forkq.api."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ SET_ACTIONS = {"dead": ("retry", "delete"), "retry": ("retry-now", "delete", "ki
 
 # the verbs that put entries back on their queues: a malformed entry has none to go to
 RUN_VERBS = ("retry", "retry-now", "run-now")
+
+# forkq.batch.STATES, spelled out: importing forkq.batch pulls in redis-py (0.1 s), which
+# a usage error or --help does not wait for (a test holds the two equal)
+BATCH_STATES = ("open", "running", "complete", "succeeded", "abandoned")
 
 MALFORMED_HELP = ("entries that are no runnable job: forkq.MalformedJob (a payload forkq "
                   "could not parse) and members that do not parse")
@@ -63,6 +67,12 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("bid", type=nonempty, help="the batch's id (forkq.Batch().bid)")
     p.add_argument("--limit", type=whole_number("--limit", 1, LIMIT_MAX), default=100,
                    help="show at most this many failures (default 100)")
+    p = sub.add_parser("batches", parents=[common],
+                       help="the batches Redis holds, newest first: state, total, pending, failed")
+    p.add_argument("--limit", type=whole_number("--limit", 1, LIMIT_MAX), default=100,
+                   help="show at most this many (default 100)")
+    p.add_argument("--state", action="append", choices=BATCH_STATES,
+                   help="only batches in this state (repeatable)")
     for verb, what in (("pause", "stop every process claiming a queue's jobs (they stay queued)"),
                        ("resume", "let processes claim a paused queue's jobs again")):
         p = sub.add_parser(verb, parents=[common], help=what)
@@ -95,7 +105,8 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
                               help=argparse.SUPPRESS if verb in RUN_VERBS else MALFORMED_HELP)
 
 
-COMMANDS = ("stats", "queues", "processes", "busy", "suspects", "cron", "batch", "pause", "resume",
+COMMANDS = ("stats", "queues", "processes", "busy", "suspects", "cron", "batch", "batches", "pause",
+            "resume",
             *SET_ACTIONS)
 
 
@@ -119,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
         if args.command in ("pause", "resume"):
             return _pause(conn, args)
         data, table = {"stats": _stats, "queues": _queues, "processes": _processes,
-                       "busy": _busy, "suspects": _suspects, "cron": _cron}[args.command](conn, args)
+                       "busy": _busy, "suspects": _suspects, "cron": _cron,
+                       "batches": _batches}[args.command](conn, args)
     except redis_errors() as exc:
         sys.stderr.write(f"forkq: {client.unreachable(client.mask_url(url), exc, url)}\n")
         return 1
@@ -211,8 +223,7 @@ def _batch(conn, args) -> int:
                          "expired: a batch's keys go 24 hours after it succeeded, 30 days after "
                          "its latest job ended)\n")
         return 1
-    state = ("succeeded" if status.success else "complete" if status.complete
-             else "abandoned" if status.abandoned else "running" if status.sealed else "open")
+    state = status.state
     failures = sorted(status.failures.items(), key=lambda item: item[1].get("at") or 0)
     now = time.time()
     table = _table(["bid", "description", "state", "total", "pending", "failed", "age"],
@@ -226,6 +237,22 @@ def _batch(conn, args) -> int:
             table.append(f"... {len(failures) - args.limit} more (--limit)")
     _emit(args, dict(asdict(status), state=state), table)
     return 0
+
+
+def _batches(conn, args):
+    from dataclasses import asdict
+    from . import batch
+    found = batch.recent(conn, args.limit, args.state)
+    rows = [[b.bid, _cut(b.description, 40), _when(b.created_at), b.state, b.total, b.pending,
+             b.failed] for b in found]
+    table = _table(["bid", "description", "created (UTC)", "state", "total", "pending", "failed"],
+                   rows) if rows else ["no batches" + (" in that state" if args.state else "")
+                                       + " in Redis"]
+    return [asdict(b) for b in found], table
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _queues(conn, args):

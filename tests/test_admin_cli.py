@@ -294,3 +294,35 @@ def test_batch_prints_a_batchs_state_and_failures_and_refuses_an_unknown_one(r, 
     missing = run("batch", "no-such-bid", url=redis_url)
     assert missing.returncode == 1 and missing.stdout == ""
     assert missing.stderr.startswith("forkq: no batch 'no-such-bid' in Redis") and missing.stderr.count("\n") == 1
+
+
+@pytest.mark.timeout(30)
+def test_batches_lists_the_newest_first_with_states_and_counts(r, redis_url, capsys):
+    from forkq import admin, batch, cli
+    assert admin.BATCH_STATES == batch.STATES  # spelled out there for a fast --help
+    client = forkq.Client(redis_url)
+    with forkq.Batch(description="nightly import", client=client) as first:
+        jid, _ = client.push_bulk("Import", [[1], [2]])
+    batch.record_failure(r, {"bid": first.bid, "jid": jid}, "ValueError", "bad row", "retry")
+    with forkq.Batch(description="done", client=client) as done:
+        pass
+    with pytest.raises(KeyError):
+        with forkq.Batch(description="gave \x1b[31mup", client=client) as gave_up:
+            raise KeyError("x")
+    r.zadd(keys.BATCHES, {"expired-bid": 1.0})  # its keys are gone: not listed
+    out = run("batches", "--limit", "2", url=redis_url)
+    assert out.returncode == 0, out.stderr
+    header, *rows = out.stdout.splitlines()
+    assert header.split() == ["bid", "description", "created", "(UTC)", "state", "total", "pending",
+                              "failed"]
+    assert [row.split()[0] for row in rows] == [gave_up.bid, done.bid] and "\x1b" not in out.stdout
+    assert rows[1].split()[-4:] == ["succeeded", "0", "0", "0"]
+    capsys.readouterr()
+    # in-process, the same argv (a second subprocess would double the test's time)
+    assert cli.main(["batches", "--state", "running", "--state", "abandoned", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(b["bid"], b["state"], b["total"], b["pending"], b["failed"]) for b in data] == [
+        (gave_up.bid, "abandoned", 0, 0, 0), (first.bid, "running", 2, 2, 1)]
+    assert data[0]["description"] == "gave \x1b[31mup" and data[1]["description"] == "nightly import"
+    assert data[1]["created_at"] == first.status().created_at
+    assert r.zscore(keys.BATCHES, "expired-bid") is None
