@@ -210,6 +210,31 @@ def test_a_batch_page_shows_its_counts_and_escaped_failures_and_its_jobs_link_to
     assert browser.get("/batches/no-such-bid").status == 404
 
 
+@pytest.mark.timeout(30)
+def test_the_batches_page_lists_them_newest_first_escaped_and_linked(browser, r, redis_url):
+    from forkq import batch
+    client = forkq.Client(redis_url)
+    with forkq.Batch(description="plain", client=client) as older:
+        jid, _ = client.push_bulk("Import", [[1], [2]])
+    batch.record_failure(r, {"bid": older.bid, "jid": jid}, "ValueError", "x", "retry")
+    with forkq.Batch(description='<script>alert(1)</script>"\x1b[31m\u202e', client=client) as hostile:
+        pass
+    r.zadd(keys.BATCHES, {"expired-bid": time.time()})  # newest, but its keys are gone
+    page = browser.get("/batches")
+    assert page.status == 200, page
+    rows = re.findall(r'<a href="/batches/([^"]+)"><code>', page.text)
+    assert rows == [hostile.bid, older.bid]
+    assert "<script>alert" not in page.text and "\x1b" not in page.text and "\u202e" not in page.text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;&#34;\\u001b[31m\\u202e" in page.text
+    assert re.search(r'<td class="num">2</td>\s*<td class="num">2</td>\s*<td class="num">1</td>', page.text)
+    assert '<a href="/batches" class="current">Batches</a>' in page.text  # in the nav
+    assert '<a href="/batches" class="current">' in browser.get(f"/batches/{older.bid}").text
+    succeeded = browser.get("/batches?state=succeeded")
+    assert re.findall(r'<a href="/batches/([^"]+)"><code>', succeeded.text) == [hostile.bid]
+    assert browser.get("/batches?state=<b>").status == 400
+    assert r.zscore(keys.BATCHES, "expired-bid") is None
+
+
 # -- one job's page -------------------------------------------------------------------
 
 

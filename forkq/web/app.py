@@ -105,6 +105,7 @@ class Dashboard:
             ("GET", "/busy"): lambda r: views.busy(self, r),
             ("GET", "/search"): lambda r: views.search(self, r),
             ("GET", "/queues"): lambda r: views.queues_page(self, r),
+            ("GET", "/batches"): lambda r: views.batches_page(self, r),
             ("GET", "/login"): self.login_page,
             ("POST", "/login"): self.login,
             ("POST", "/logout"): self.logout,

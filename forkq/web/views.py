@@ -41,6 +41,8 @@ def label(slug: str, action: str) -> str:
 SEARCH_LIMIT = 50  # per set: a search scans pages until it has this many hits
 # a batch page lists this many of its jobs' failures, the oldest first
 BATCH_FAILURES_SHOWN = 500
+# /batches lists this many, the newest first (`forkq batches --limit N` lists more)
+BATCHES_SHOWN = 100
 
 
 def overview(dash: "Dashboard", req: Request) -> Response:
@@ -344,6 +346,16 @@ def job_page(dash: "Dashboard", req: Request, slug: str, key: str) -> Response:
                        more_extras=max(0, len(extras) - EXTRAS_SHOWN),
                        score_label=SCORE_LABELS[slug], backtrace=lines,
                        backtrace_problem=problem, actions=SET_ACTIONS[slug], now=time.time())
+
+
+def batches_page(dash: "Dashboard", req: Request) -> Response:
+    """The newest batches (forkq.batch.recent), all or those in one state (?state=)."""
+    state = req.arg("state")
+    if state and state not in batch.STATES:
+        raise BadRequest(f"unknown state {state!r}: expected one of {', '.join(batch.STATES)}")
+    found = batch.recent(dash.redis(), BATCHES_SHOWN, [state] if state else None)
+    return dash.render(req, "batches.html", batches=found, state=state, states=batch.STATES,
+                       limit=BATCHES_SHOWN, now=time.time())
 
 
 def batch_page(dash: "Dashboard", req: Request, bid: str) -> Response:
