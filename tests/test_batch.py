@@ -566,6 +566,14 @@ def test_opening_a_batch_indexes_it_in_the_same_single_call(client, r):
     assert r.zcard(keys.BATCHES) == 1  # a batch under forkq.testing touches no Redis
 
 
+def test_an_index_key_of_another_type_fails_the_opening_before_anything_is_written(client, r):
+    r.set(keys.BATCHES, "not a sorted set")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        with forkq.Batch():
+            load.enqueue(1)  # never reached: the `with` raised on entering
+    assert r.keys("*") == [keys.BATCHES.encode()]
+
+
 def test_recent_lists_the_newest_first_with_their_states_and_counts(client, r):
     # a `with` not left yet (another thread's: batches do not nest)
     opener = threading.Thread(target=forkq.Batch(description="still open").__enter__)

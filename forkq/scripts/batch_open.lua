@@ -12,9 +12,11 @@
 --#include batchttl
 local PRUNE = 10
 local b, index, bid = KEYS[1], KEYS[2], ARGV[1]
+-- the index first: an index key of another type (WRONGTYPE) fails the call before it has
+-- written anything (Redis keeps what a failed script wrote), and the `with` raises
+redis.call('ZADD', index, ARGV[3], bid)
 redis.call('HSET', b, 'description', ARGV[2], 'created_at', ARGV[3], 'sealed', '0')
 redis.call('EXPIRE', b, BATCH_TTL)
-redis.call('ZADD', index, ARGV[3], bid)
 local prefix = string.sub(b, 1, #b - #bid)
 local old = redis.call('ZRANGEBYSCORE', index, '-inf', '(' .. (tonumber(ARGV[3]) - BATCH_TTL),
                        'LIMIT', 0, PRUNE)
