@@ -106,8 +106,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
 
 
 COMMANDS = ("stats", "queues", "processes", "busy", "suspects", "cron", "batch", "batches", "pause",
-            "resume",
-            *SET_ACTIONS)
+            "resume", *SET_ACTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
