@@ -31,6 +31,7 @@ from .fetch import crash_id
 from .retry import MALFORMED_CLASS
 
 DEFAULT_PAGE = 500
+CLEAR_PAGE = 1000  # entries SortedSet.clear() looks at in one script call
 
 
 def connect(url: str | None = None) -> redis.Redis:
@@ -425,11 +426,46 @@ class SortedSet:
         return sum(int(n or 0) for n in pipe.execute())
 
     def clear(self) -> int:
-        """Remove every entry; returns how many there were."""
-        pipe = self.redis.pipeline(transaction=True)
+        """Remove every entry, ending each as delete() does (a unique job's lock released,
+        a batch job's failure counted with fate `deleted`); returns how many it removed.
+
+        A page of entries at a time (CLEAR_PAGE), each page one round trip: a script
+        removes the entries that have nothing to end and hands back the others, which go
+        to forget.lua in the same pipeline as the next page's read. Every removal is of
+        an entry read first, so one a push adds meanwhile is ended like the rest or left
+        in the set, never dropped unended. A set that keeps growing is not chased forever:
+        the clear stops once it has looked at twice as many entries as the set held."""
+        take = scripts.load(self.redis, "clear_page")
+        forget = scripts.load(self.redis, "forget")
+        pipe = self.redis.pipeline(transaction=False)
         pipe.zcard(self.name)
-        pipe.unlink(self.name)
-        return int(pipe.execute()[0])
+        take(keys=[self.name], args=[CLEAR_PAGE], client=pipe)
+        size, reply = pipe.execute()
+        budget = 2 * int(size) + CLEAR_PAGE
+        removed = 0
+        while True:
+            looked, plain, *rest = reply
+            removed += int(plain)
+            budget -= int(looked)
+            if not rest:
+                if int(looked) == 0 or budget <= 0:
+                    return removed
+                reply = take(keys=[self.name], args=[CLEAR_PAGE])
+                continue
+            pipe = self.redis.pipeline(transaction=False)
+            entries = [Entry.of(raw, 0.0) for raw in rest]
+            argv = _forget_args("zset", entries)
+            if argv is None:  # "unique_for" in an error message, say: nothing to end
+                pipe.zrem(self.name, *rest)
+            else:
+                forget(keys=[self.name], args=argv, client=pipe)
+            if budget > 0:
+                take(keys=[self.name], args=[CLEAR_PAGE], client=pipe)
+            replies = pipe.execute()
+            removed += int(replies[0])
+            if budget <= 0:
+                return removed
+            reply = replies[1]
 
 
 def _lock(entry: Entry) -> tuple[str, str] | tuple[()]:
@@ -456,19 +492,27 @@ def _forget(conn: redis.Redis, key: str, kind: str, entries: list[Entry]) -> int
     refused every push of the same job until its TTL ran out, though no such job was
     pending any more), and its failure counted in its batch (left uncounted, the batch
     never completed). Entries with neither take the plain ZREM or LREM."""
-    locks = [_lock(e) for e in entries]
-    batches = [_batch_of(e) for e in entries]
-    if not any(locks) and not any(batches):
+    argv = _forget_args(kind, entries)
+    if argv is None:
         if kind == "zset":
             return int(conn.zrem(key, *[e.raw for e in entries]))
         return sum(int(conn.lrem(key, 1, e.raw)) for e in entries)
+    return int(scripts.load(conn, "forget")(keys=[key], args=argv))
+
+
+def _forget_args(kind: str, entries: list[Entry]) -> list[Any] | None:
+    """forget.lua's arguments for `entries`, or None when none has a lock or a batch."""
+    locks = [_lock(e) for e in entries]
+    batches = [_batch_of(e) for e in entries]
+    if not any(locks) and not any(batches):
+        return None
     failure = json.dumps({"error_class": "forkq.Deleted", "error_message": "deleted by an operator",
                           "fate": "deleted", "at": time.time()})
     argv: list[Any] = [kind, failure]
     for entry, lock, in_batch in zip(entries, locks, batches):
         jid = lock[1] if lock else in_batch[1] if in_batch else ""
         argv += [entry.raw, lock[0] if lock else "", jid, in_batch[0] if in_batch else ""]
-    return int(scripts.load(conn, "forget")(keys=[key], args=argv))
+    return argv
 
 
 def schedule(conn: redis.Redis, page_size: int = DEFAULT_PAGE) -> SortedSet:

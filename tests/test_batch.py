@@ -650,3 +650,63 @@ def test_the_index_keeps_at_most_batches_max_entries(client, r, monkeypatch):
     assert [b.description for b in batch_mod.recent(r)] == ["4", "3", "2"]
     # the batches themselves are untouched: only the listing forgets the oldest
     assert forkq.batch_status(bids[0]).state == "succeeded"
+
+def _locks(r) -> list[bytes]:
+    return list(r.scan_iter("unique:*"))
+
+
+def test_clearing_a_set_ends_each_entry_as_a_delete_does(client, r, monkeypatch):
+    """The dashboard's "Delete all" UNLINKed the whole set: each unique job's lock stayed
+    held until its TTL (every push of the same job refused meanwhile) and each batch job
+    went uncounted, so its batch never completed. Pages of 4 here, so several pages run,
+    with an entry whose `bid` key is spelled with an escape, one that only mentions
+    unique_for in its message, and one that is no JSON at all."""
+    monkeypatch.setattr(api, "CLEAR_PAGE", 4, raising=False)
+    batch = forkq.Batch().on_complete(report, "c").on_success(notify, "s")
+    with batch:
+        in_batch = [load.enqueue_in(600, i) for i in range(5)]
+    unique = [load.options(unique_for=60).enqueue_in(600 + i, 10 + i) for i in range(5)]
+    for i in range(5):
+        load.enqueue_in(700, 20 + i)
+    escaped = api.schedule(r).find(in_batch[0])
+    r.zrem("schedule", escaped.raw)
+    r.zadd("schedule", {escaped.raw.replace(b'"bid"', b'"\\u0062id"'): escaped.score})
+    r.zadd("schedule", {b"not json": 1.0, json.dumps(
+        {"class": "X", "args": [], "jid": "ab" * 12, "error_message": "no unique_for here"}): 2.0})
+    assert len(_locks(r)) == 5 and r.zcard("schedule") == 17
+    assert api.schedule(r).clear() == 17
+    assert r.zcard("schedule") == 0 and _locks(r) == []
+    assert all(load.options(unique_for=60).enqueue(10 + i) for i in range(5))  # free at once
+    status = batch.status()
+    assert {jid: f["fate"] for jid, f in status.failures.items()} == dict.fromkeys(in_batch, "deleted")
+    assert callbacks(r) == [("report", ["c"])]  # complete; success never
+
+
+def test_a_clear_never_drops_an_entry_pushed_meanwhile_without_ending_it(client, r, monkeypatch):
+    """Entries pushed while a clear runs are ended like the others or left in the set, never
+    removed with their lock held; and a set refilled as fast as it is cleared is not
+    chased forever (one push per page, here, for good)."""
+    monkeypatch.setattr(api, "CLEAR_PAGE", 2, raising=False)
+    first = [load.options(unique_for=60).enqueue_in(600, i) for i in range(6)]
+    pushed: list[str] = []
+    forget_args = getattr(api, "_forget_args", None)
+
+    def push_meanwhile(kind, entries):
+        pushed.append(load.options(unique_for=60).enqueue_in(900, 100 + len(pushed)))
+        return forget_args(kind, entries)
+
+    monkeypatch.setattr(api, "_forget_args", push_meanwhile, raising=False)
+    scheduled = api.schedule(r)
+    removed = scheduled.clear()
+    assert all(scheduled.find(jid) is None for jid in first)
+    left = {jid for jid in pushed if scheduled.find(jid) is not None}
+    assert left and removed == 6 + len(pushed) - len(left)
+    # a pushed entry still in the set holds its lock; one the clear removed holds none
+    held = {json.loads(raw)["args"][0] - 100 for raw in r.zrange("schedule", 0, -1)}
+    for n, jid in enumerate(pushed):
+        assert (r.get(lock_of(100 + n)) == jid.encode()) == (n in held)
+
+
+def lock_of(n: int) -> str:
+    from forkq import unique
+    return unique.lock_key("batch_test.load", "bq", [n])
