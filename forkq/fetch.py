@@ -87,6 +87,11 @@ def refusal(exc: BaseException) -> str:
     return "refuses writes"
 
 
+# A finished job's in-flight field and its after-success actions, (key, jid) pairs flattened
+# (scripts/_after.lua); () for a plain ack.
+After = tuple[str, tuple[str, ...]]
+
+
 class Unit(NamedTuple):
     token: str   # its field in the in-flight hash: "NUMBER\nQUEUE"
     queue: str
@@ -123,14 +128,15 @@ class ReliableFetch:
         # job's lock released, a batch job's success counted: scripts/_after.lua): the ack
         # and its actions are one entry, so they always go in the same call. A batch's
         # count must not be lost, and an ack sent without it would lose it for good
-        self._after: deque[tuple[str, tuple[str, ...]]] = deque()
-        # the acks of the claim on the wire: a stop's flush_acks deletes them too, in case
-        # that claim is stuck (Redis frozen) and reaches Redis after the final requeue,
-        # which would otherwise put those finished jobs back to run again
-        self._sending: list[str] = []
+        self._after: deque[After] = deque()
+        # the acks (plain, and with their actions) of the claim on the wire: a stop's
+        # flush_acks applies them too, in case that claim is stuck (Redis frozen) and
+        # reaches Redis after the final requeue, which would otherwise put those finished
+        # jobs back to run again. One tuple, swapped whole, so a reader never sees half.
+        self._sending: tuple[list[str], list[After]] = _NONE
         # the acks of a flush on the wire: a stopping child hands them to its master too,
         # as a stuck flush may reach Redis after the master's requeue of its hash
-        self._flushing: list[str] = []
+        self._flushing: tuple[list[str], list[After]] = _NONE
         self._flush_lock = threading.Lock()
         self.owner_json: str | None = None  # set by register(); the heartbeat re-asserts it
         # jids of suspects that ran to their end: their crash counts are deleted with the
@@ -165,7 +171,7 @@ class ReliableFetch:
             self.recover_uncertain()
         if self._cleared:
             self.flush_acks()  # a suspect's ack and its crash count's delete go together
-        after = self._take_after() if self._after else ()
+        after = self._take_after() if self._after else []
         acks = self._take_acks(4000)
         # a paused queue's landing list waits for its resume (Manager.queues_paused gave
         # back what it held when the pause began)
@@ -184,13 +190,12 @@ class ReliableFetch:
                                len(actions) // 2, *acks, *tokens, *actions, *names]
         else:
             argv = [want, len(acks), self._resend, first, 0, *acks, *names]
-        # what a stop may delete without this claim (flush_acks, the master's hand-over):
-        # plain acks, and those whose actions only release locks (see _lock_only)
-        self._sending = acks + _lock_only(after) if after else acks
+        # what a stop applies without this claim (flush_acks, the master's hand-over)
+        self._sending = (acks, after)
         try:
             flat = self._claim(keys_, argv)
         except Exception:
-            self._sending = []
+            self._sending = _NONE
             # the acks were not applied: keep them for the next call; a landing list that
             # was not drained must be drained next time too
             self._acks.extendleft(reversed(acks))
@@ -199,7 +204,7 @@ class ReliableFetch:
             if want > 0:
                 self._uncertain.append((first, want))
             raise
-        self._sending = []
+        self._sending = _NONE
         units = _units(flat, first, names)
         if landed:
             self._landed.update(_undrained(flat, want, landed))
@@ -235,17 +240,17 @@ class ReliableFetch:
         token = str(self._next_token)
         self._next_token += 1
         order = self.order()
-        self._sending = acks  # as in fetch(): a stop's flush deletes them too
+        self._sending = (acks, [])  # as in fetch(): a stop's flush deletes them too
         try:
             flat = self._claim_suspect(
                 keys=[self.inflight_key, *[self.suspect_keys[q] for q in order]],
                 args=[token, len(acks), len(cleared), keys.CRASH_PREFIX, keys.SUSPECTS_PREFIX,
                       *acks, *cleared, *order])
         except Exception:
-            self._sending = []
+            self._sending = _NONE
             self._acks.extendleft(reversed(acks))
             raise
-        self._sending = []
+        self._sending = _NONE
         del self._cleared[:len(cleared)]
         leftovers = int(flat[0])
         if len(flat) == 1:
@@ -323,7 +328,7 @@ class ReliableFetch:
         """Release a unique lock at once if it still holds `jid` (`unique_until: "start"`)."""
         self._release(keys=[self.inflight_key], args=[0, lock, jid])
 
-    def _take_after(self, limit: int = 1000) -> list[tuple[str, tuple[str, ...]]]:
+    def _take_after(self, limit: int = 1000) -> list[After]:
         after = self._after
         out = []
         while after and len(out) < limit:
@@ -333,13 +338,17 @@ class ReliableFetch:
     def pending_acks(self) -> int:
         return len(self._acks) + len(self._after)
 
-    def unsent_acks(self) -> list[str]:
-        """The in-flight fields of finished jobs whose delete may not have reached Redis:
-        those on a claim or a flush still waiting for its reply, and those not sent yet.
-        Not those that count a batch job's success: deleted without it (by the master),
-        the count would be lost, where the job running again is harmless (_lock_only)."""
+    def unsent_acks(self) -> list[After]:
+        """The finished jobs whose ack may not have reached Redis, each with its
+        after-success actions (a stopping child hands them to its master, which applies
+        them with settle_acks): those on a claim or a flush still waiting for its reply,
+        and those not sent yet. A batch job's count goes with its ack, never apart: the
+        master applies both in one call, and a count that also arrives with the stuck
+        claim counts once (the batch removes the jid it counts)."""
         # each copied whole, under the GIL
-        return self._sending + self._flushing + list(self._acks) + _lock_only(list(self._after))
+        (sent, sent_after), (flushed, flushed_after) = self._sending, self._flushing
+        return ([(t, ()) for t in sent] + sent_after + [(t, ()) for t in flushed] + flushed_after
+                + [(t, ()) for t in list(self._acks)] + list(self._after))
 
     def _take_acks(self, limit: int) -> list[str]:
         acks = self._acks
@@ -356,13 +365,15 @@ class ReliableFetch:
             self._flush_acks()
 
     def _flush_acks(self) -> None:
-        if sending := self._sending:
-            # another thread's claim is carrying these; deleting them twice does no harm
-            self.redis.hdel(self.inflight_key, *sending)
+        sending, sending_after = self._sending
+        if sending or sending_after:
+            # another thread's claim is carrying these; applying them twice does no harm
+            # (a lock is deleted only while it holds the jid, a count made once per jid)
+            self._settle(sending, sending_after)
         while self._acks or self._cleared or self._after:
             after = self._take_after() if self._after else []
             batch = self._take_acks(4000)
-            self._flushing = batch + _lock_only(after) if after else batch
+            self._flushing = (batch, after)
             cleared = list(self._cleared)
             try:
                 if after:
@@ -385,8 +396,15 @@ class ReliableFetch:
                 self._after.extendleft(reversed(after))
                 raise
             finally:
-                self._flushing = []
+                self._flushing = _NONE
             del self._cleared[:len(cleared)]
+
+    def _settle(self, acks: list[str], after: list[After]) -> None:
+        if after:
+            tokens, actions = _split(after)
+            self._release(keys=[self.inflight_key], args=[len(acks) + len(tokens), *acks, *tokens, *actions])
+        else:
+            self.redis.hdel(self.inflight_key, *acks)
 
     # -- putting back ---------------------------------------------------------------
     def requeue(self, units: list[Unit]) -> int:
@@ -401,18 +419,32 @@ class ReliableFetch:
         return requeue_owner(self.redis, self.identity, self.order.names, script=self._requeue_all)
 
 
-def _lock_only(after: list[tuple[str, tuple[str, ...]]] | tuple) -> list[str]:
-    """The tokens of queued (token, actions) entries whose actions only release unique
-    locks. A stop may delete those fields without their actions, as plain acks: the job
-    must not go back to run again while its own late unlock (a stuck claim's, arriving
-    after the requeue) frees the lock for a duplicate push; at worst the lock lapses with
-    its TTL. An entry that counts a batch job's success is never deleted without it: that
-    job runs again instead, and counts then."""
-    return [token for token, actions in after
-            if not any(k.startswith(batch.PREFIX) for k in actions[0::2])]
+_NONE: tuple[list[str], list[After]] = ([], [])
 
 
-def _split(after: list[tuple[str, tuple[str, ...]]]) -> tuple[list[str], list[str]]:
+def settle_acks(client: redis.Redis, identity: str, acks: list[After]) -> None:
+    """Apply the acks a stopping child handed its master (unsent_acks), before the master
+    puts back what its in-flight hash still holds: plain ones with HDEL, the others with
+    their after-success actions in the same release.lua call, so no entry is deleted
+    without its batch count or unlock. One round trip; each part is safe to apply twice
+    (the child's stuck claim may land too). Raises if Redis does not take it all: the
+    caller then tries again or leaves the entries to be put back, and those jobs run again
+    and count then."""
+    inflight = keys.inflight(identity)
+    plain = [token for token, actions in acks if not actions]
+    after = [(token, actions) for token, actions in acks if actions]
+    pipe = client.pipeline(transaction=False)
+    for i in range(0, len(plain), 4000):
+        pipe.hdel(inflight, *plain[i:i + 4000])
+    release = scripts.load(client, "release")
+    for i in range(0, len(after), 1000):
+        tokens, actions = _split(after[i:i + 1000])
+        release(keys=[inflight], args=[len(tokens), *tokens, *actions], client=pipe)
+    if len(pipe):
+        pipe.execute()
+
+
+def _split(after: list[After]) -> tuple[list[str], list[str]]:
     """Queued (token, actions) entries as the scripts take them: the tokens, and every
     action's (key, jid) flattened."""
     return [token for token, _ in after], [x for _, actions in after for x in actions]

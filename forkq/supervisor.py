@@ -27,7 +27,7 @@ import psutil
 import redis
 
 from . import client, control, hooks, keys, logs, orphans, scripts, strays, systemd, titles
-from .fetch import Requeued, refusal, requeue_owner_counts, writes_refused
+from .fetch import After, Requeued, refusal, requeue_owner_counts, settle_acks, writes_refused
 from .metrics import MetricsServer
 from .settings import STOP_GRACE_S, STOP_PATIENCE_S, Settings
 
@@ -67,7 +67,7 @@ class Child:
     reason: str = ""                       # why the master ended it: memory, hang, restart, time_limit
     stuck: bool = False                    # a job of it ran past its time limit: replace it
     fatal: str = ""                        # the error it reported just before dying
-    finished: list[str] = field(default_factory=list)  # in-flight fields of jobs it finished
+    finished: list[After] = field(default_factory=list)  # acks of jobs it finished, with actions
     buffer: bytes = b""
 
 
@@ -103,9 +103,10 @@ class Supervisor:
         self.stop_deadline = 0.0
         self.recycle: list[int] = []       # slots queued for a rolling restart (HUP)
         self.pending_requeue: list[tuple[str, bool]] = []
-        # identity -> in-flight fields of jobs a stopping child finished but may not have
-        # acknowledged in Redis: deleted before its requeue, which would run them again
-        self.finished: dict[str, list[str]] = {}
+        # identity -> acks (in-flight fields, with their after-success actions) of jobs a
+        # stopping child finished but may not have acknowledged in Redis: applied before
+        # its requeue, which would run them again (fetch.settle_acks)
+        self.finished: dict[str, list[After]] = {}
         # identity -> the totals a child that exited last pinged, until they are in the stats
         self.uncounted: dict[str, tuple[int, int]] = {}
         self.stats = Stats()
@@ -266,7 +267,7 @@ class Supervisor:
     def read_report(self, child: Child) -> bool:
         """Read what the child wrote: "B<busy> <processed> <failed>" pings (or "B<busy>"),
         "Q"/"T" quiet or stop asked through Redis, "A<json list>" finished jobs' in-flight
-        fields as it stops, "E<error>" before it dies, or "M<json>" metrics deltas
+        fields (with their after-success actions) as it stops, "E<error>" before it dies, or "M<json>" metrics deltas
         (--metrics-port)."""
         try:
             data = os.read(child.report_r, 4096)
@@ -389,8 +390,7 @@ class Supervisor:
             started = time.monotonic()
             try:
                 if finished := self.finished.get(identity):
-                    for i in range(0, len(finished), 4000):
-                        self.redis.hdel(keys.inflight(identity), *finished[i:i + 4000])
+                    settle_acks(self.redis, identity, finished)
                     del self.finished[identity]
                 counts = requeue_owner_counts(
                     self.redis, identity, [q for q, _ in self.settings.queues],
@@ -753,15 +753,23 @@ def _parse_ping(line: bytes) -> tuple[int, tuple[int, int] | None] | None:
     return int(fields[0]), ((int(fields[1]), int(fields[2])) if len(fields) == 3 else None)
 
 
-def _parse_acks(line: bytes) -> list[str]:
-    """The fields of an "A<json list>" line; none from a line that is not one."""
+def _parse_acks(line: bytes) -> list[After]:
+    """The acks of an "A<json list>" line: each a field, or [field, key, jid, ...] with its
+    after-success actions; none from a line that is not one, and no item of another shape."""
     try:
-        tokens = json.loads(line[1:])
+        items = json.loads(line[1:])
     except ValueError:
         return []
-    if not isinstance(tokens, list):
+    if not isinstance(items, list):
         return []
-    return [t for t in tokens if isinstance(t, str)]
+    out: list[After] = []
+    for item in items:
+        if isinstance(item, str):
+            out.append((item, ()))
+        elif (isinstance(item, list) and len(item) % 2 == 1 and len(item) > 1
+              and all(isinstance(x, str) for x in item)):
+            out.append((item[0], tuple(item[1:])))
+    return out
 
 
 def _make_room_for_pipes(processes: int) -> tuple[int, int]:

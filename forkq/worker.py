@@ -285,29 +285,33 @@ class Worker:
         With Redis frozen past the stop's grace, the flush (or the claim carrying those
         acks) is still stuck when the master kills us, and its requeue of our hash, once
         Redis wakes, would run those jobs again. The master deletes these entries first.
+        An ack with after-success actions (a unique job's unlock, a batch job's count)
+        goes with them, and the master applies both in one call (fetch.settle_acks): a
+        batch job that succeeded is not put back to run again.
         Lines stay under PIPE_BUF, so each one arrives whole or not at all; a full pipe
         loses only this safeguard, not a job."""
         if self.report_fd is None:
             return
-        chunk: list[str] = []
+        chunk: list[str | list[str]] = []
         size = 0
-        for token in self.manager.fetch.unsent_acks():
+        for token, actions in self.manager.fetch.unsent_acks():
             if token in self._handed:
                 continue
             self._handed.add(token)
-            cost = len(json.dumps(token)) + 2
+            item = [token, *actions] if actions else token
+            cost = len(json.dumps(item)) + 2
             if cost > 3000:
                 continue  # a queue name of kilobytes: its job may run again, as after a crash
             if size + cost > 3000:
                 if not self._send_acks(chunk):
                     return
                 chunk, size = [], 0
-            chunk.append(token)
+            chunk.append(item)
             size += cost
         if chunk:
             self._send_acks(chunk)
 
-    def _send_acks(self, tokens: list[str]) -> bool:
+    def _send_acks(self, tokens: list[str | list[str]]) -> bool:
         try:
             os.write(self.report_fd, b"A" + json.dumps(tokens).encode() + b"\n")  # type: ignore[arg-type]
             return True

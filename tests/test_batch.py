@@ -508,21 +508,125 @@ def test_retrying_a_parked_callback_before_its_key_is_fixed_keeps_it(client, r, 
     assert dead.retry_now(list(dead.entries())) == 1 and callbacks(r) == [("notify", ["s"])]
 
 
-def test_a_stop_may_delete_a_unique_jobs_ack_alone_but_never_a_batch_jobs_count(client, r, worker):
-    """What a stopping child hands its master (unsent_acks) is deleted without its
-    actions: a batch job's count must not be among them (lost for good), while a job
-    whose only action is a unique unlock must be (requeued instead, it would be pending
-    while its own late unlock, from a claim stuck on the wire, freed its lock)."""
+def test_a_stop_hands_over_every_unsent_ack_with_its_actions(client, r, worker):
+    """What a stopping child hands its master (unsent_acks) goes with its after-success
+    actions: a batch job's count (an ack alone would lose it, so it was left out and the
+    job, finished, went back to run again) and a unique job's unlock."""
     with forkq.Batch().on_success(notify, "s"):
         load.enqueue(1)
     load.options(unique_for=60).enqueue(2)
     processor, fetch = worker.processors[0], worker.fetch
+    done = {}
     for unit in fetch.fetch(2):
-        worker.done(unit.token, processor.process(unit))
-    by_jid = {json.loads(raw)["args"][0]: field.decode()
-              for field, raw in r.hgetall(fetch.inflight_key).items()}
+        done[unit.token] = processor.process(unit)
+        worker.done(unit.token, done[unit.token])
     assert fetch.pending_acks() == 2
-    assert fetch.unsent_acks() == [by_jid[2]]
+    assert sorted(fetch.unsent_acks()) == sorted(done.items())
+
+
+def _hand_over(child) -> list:
+    """What a stopping child writes to its master's pipe (Worker._hand_over_acks), as the
+    master reads it back."""
+    from forkq.supervisor import _parse_acks
+    from forkq.worker import Worker
+    read, write = os.pipe()
+    try:
+        stopping = Worker.__new__(Worker)
+        stopping.report_fd, stopping.manager, stopping._handed = write, child, set()
+        stopping._hand_over_acks()
+        os.close(write)
+        write = -1
+        data = os.read(read, 65536)
+    finally:
+        os.close(read)
+        if write >= 0:
+            os.close(write)
+    return [ack for line in data.split(b"\n") if line for ack in _parse_acks(line)]
+
+
+def _master(url: str):
+    from forkq.settings import Settings
+    from forkq.supervisor import Supervisor
+    return Supervisor(Settings(redis_url=url, queues=[("bq", 0)]))
+
+
+def test_a_graceful_stop_does_not_rerun_a_batch_job_that_succeeded(client, r, redis_server, worker):
+    """Redis frozen at a stop: the child's claim carrying a batch job's ack and count is
+    stuck on the wire, and the master, once the child is gone, applies what the child
+    handed over, then puts back its in-flight jobs. The batch job was not handed over
+    (an ack alone would lose its count), so the master put it back and it ran again.
+    Now the master applies the ack with its count; the stuck claim, landing after, counts
+    nothing more: the job runs once and the batch fires once."""
+    from forkq.manager import Manager
+    from forkq.queues import QueueOrder
+    from helpers import CommandHolder
+    batch = forkq.Batch().on_success(notify, "s")
+    with batch:
+        load.enqueue(1)
+        load.enqueue(2)
+    holder = CommandHolder(redis_server.port)
+    identity = "test:1:batch0000000h"
+    child = Manager(lambda: redis.Redis(port=holder.port), identity, QueueOrder([("bq", 0)]),
+                    concurrency=1)
+    child.fetch.register()
+    claim = threading.Thread(target=child.fetch.fetch, args=(0,))
+    master = _master(redis_server.url)
+    try:
+        (unit,) = child.fetch.fetch(1)
+        child.done(unit.token, child.processors[0].process(unit))
+        holder.marker = batch_mod.PREFIX.encode()  # the claim that carries the count
+        claim.start()
+        assert holder.holding.wait(5)
+        handed = _hand_over(child)
+        assert [token for token, _ in handed] == [unit.token]
+        master.finished[identity] = handed
+        master.pending_requeue.append((identity, False))
+        assert master.requeue_pending() == {identity: (0, 0)}  # nothing put back
+        assert batch.status().pending == 1
+        holder.release.set()  # Redis wakes: the stuck claim lands, with the same count
+        claim.join(5)
+        assert not claim.is_alive() and batch.status().pending == 1
+    finally:
+        holder.close()
+        if claim.ident is not None:
+            claim.join(5)
+        child.fetch.close()
+        os.close(master._sig_r)
+        os.close(master._sig_w)
+    run_all(worker, 1)  # job 2
+    assert r.llen("queue:bq") == 0 and calls == [["load", 1], ["load", 2]]
+    assert callbacks(r) == [("notify", ["s"])]
+
+
+def test_a_hand_over_the_master_cannot_apply_leaves_the_job_to_run_again(client, r, worker):
+    """Redis unreachable from the master: nothing is acked without its count. The entry
+    stays in flight, the master keeps the hand-over for its next try, and when the job is
+    put back (orphan recovery, here) it runs again and counts then, once."""
+    from helpers import free_port
+    batch = forkq.Batch().on_success(notify, "s")
+    with batch:
+        load.enqueue(1)
+    identity = worker.fetch.identity
+    (unit,) = worker.fetch.fetch(1)
+    worker.done(unit.token, worker.processors[0].process(unit))
+    handed = _hand_over(worker)
+    assert handed == [(unit.token, (batch_mod.key(batch.bid), json.loads(
+        r.hget(worker.fetch.inflight_key, unit.token))["jid"]))]
+    master = _master(f"redis://127.0.0.1:{free_port()}/0")
+    try:
+        master.finished[identity] = handed
+        master.pending_requeue.append((identity, False))
+        assert master.requeue_pending() == {}
+        assert master.finished[identity] == handed and master.pending_requeue
+    finally:
+        os.close(master._sig_r)
+        os.close(master._sig_w)
+    assert r.hexists(worker.fetch.inflight_key, unit.token) and batch.status().pending == 1
+    worker.fetch._after.clear()  # the child is gone: its own ack never goes out
+    assert requeue_owner_counts(r, identity, ["bq"]).requeued == 1
+    worker.fetch.register()
+    run_all(worker, 1)
+    assert calls == [["load", 1], ["load", 1]] and callbacks(r) == [("notify", ["s"])]
 
 
 def test_jobs_an_operator_deletes_count_as_failed_so_the_batch_completes(client, r, worker):

@@ -175,9 +175,8 @@ def test_an_unlock_is_queued_with_its_ack_as_one_entry(client, r, worker):
     fetch = worker.fetch
     worker.done(unit.token, lock)
     assert fetch.pending_acks() == 1 and len(locks(r)) == 1
-    # handed to the master at a stop like a plain ack: requeued instead, the job would be
-    # pending while its own late unlock (a stuck claim's) freed the lock for a duplicate
-    assert fetch.unsent_acks() == [unit.token]
+    # handed to the master at a stop with its unlock, which the master applies with it
+    assert fetch.unsent_acks() == [(unit.token, lock)]
     fetch.flush_acks()
     assert r.hlen(fetch.inflight_key) == 0 and locks(r) == {}
 

@@ -22,7 +22,7 @@ from redis.retry import Retry
 
 import forkq
 from forkq import keys
-from forkq.fetch import ReliableFetch, Waiters, requeue_owner_counts
+from forkq.fetch import ReliableFetch, Waiters, requeue_owner_counts, settle_acks
 from forkq.manager import Manager
 from forkq.queues import QueueOrder
 from corekit import (UnixSocketRedis, core_jobs, forkq_client, queued, records,  # noqa: F401
@@ -502,9 +502,9 @@ def test_a_stopping_child_hands_its_master_the_acks_of_a_flush_stuck_on_the_wire
         flusher.start()
         assert holder.holding.wait(5)
         told = fetch.unsent_acks()  # what the child writes to its master as "A" lines
-        assert sorted(told) == sorted(u.token for u in finished)
+        assert sorted(told) == sorted((u.token, ()) for u in finished)
         # the master, once it killed the child: those entries out, then the requeue
-        admin.hdel(keys.inflight(identity), *told)
+        settle_acks(admin, identity, told)
         assert requeue_owner_counts(admin, identity, ["default"]).requeued == 0
         assert admin.llen("queue:default") == 0
     finally:
