@@ -413,16 +413,22 @@ class SortedSet:
 
     def kill(self, entries: list[Entry]) -> int:
         """Move entries to `dead` with the worker's script (Sidekiq's trimming: 180 days,
-        9,999 entries). Entries already dead stay where they are."""
+        9,999 entries), ending each in the same call: a unique job's lock released, a batch
+        job's failure counted with fate `dead`. Entries already dead stay where they are."""
         if self.name == keys.DEAD or not entries:
             return 0
         to_dead = scripts.load(self.redis, "to_dead")
         now = time.time()
+        failure = json.dumps({"error_class": "forkq.Killed", "error_message": "killed by an operator",
+                              "fate": "dead", "at": now})
         pipe = self.redis.pipeline(transaction=False)
         for entry in entries:
+            end: list[Any] = list(_lock(entry))
+            if (in_batch := _batch_of(entry)) is not None:
+                end = [end[0] if end else "", in_batch[1], in_batch[0], failure]
             to_dead(keys=[keys.DEAD, self.name],
                     args=[entry.raw, now, entry.raw, "zset", now - keys.DEAD_TIMEOUT_S,
-                          keys.DEAD_MAX_JOBS, *_lock(entry)], client=pipe)
+                          keys.DEAD_MAX_JOBS, *end], client=pipe)
         return sum(int(n or 0) for n in pipe.execute())
 
     def clear(self) -> int:

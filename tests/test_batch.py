@@ -814,3 +814,23 @@ def test_a_clear_never_drops_an_entry_pushed_meanwhile_without_ending_it(client,
 def lock_of(n: int) -> str:
     from forkq import unique
     return unique.lock_key("batch_test.load", "bq", [n])
+
+
+def test_a_scheduled_batch_job_an_operator_kills_counts_as_dead(client, r, worker):
+    """Killed from the schedule, a batch job went to dead without ever failing, uncounted:
+    its batch never completed (and once the dead set's trimming dropped it, nothing could
+    count it). A job in dead has ended: it counts as failed, with fate `dead`, in the
+    call that buries it. A killed job that had already failed keeps one failure."""
+    batch = forkq.Batch().on_complete(report, "c")
+    with batch:
+        later = load.enqueue_in(600, 1)
+        failing = fails.enqueue(2)
+    run_one(worker)  # fails once: to the retry set, counted with fate `retry`
+    assert callbacks(r) == []
+    scheduled, retries = api.schedule(r), api.retries(r)
+    assert scheduled.kill([scheduled.find(later)]) == 1
+    assert callbacks(r) == [("report", ["c"])]
+    assert retries.kill([retries.find(failing)]) == 1
+    status = batch.status()
+    assert {jid: f["fate"] for jid, f in status.failures.items()} == {later: "dead", failing: "dead"}
+    assert callbacks(r) == [("report", ["c"])] and r.zcard("dead") == 2
