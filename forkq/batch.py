@@ -58,13 +58,21 @@ def joining() -> "Batch | None":
     return _open.get()
 
 
+def new_bid() -> str:
+    """14 characters, as Sidekiq Pro's bids, never starting with "-": one in 64 did, and
+    `forkq batch BID` then read it as an option."""
+    while (bid := secrets.token_urlsafe(10)).startswith("-"):
+        pass
+    return bid
+
+
 class Batch:
     """A set of jobs and the callbacks to push when they have ended; see the module doc."""
 
     def __init__(self, description: str = "", *, client: "Client | None" = None) -> None:
         if type(description) is not str:
             raise TypeError(f"description must be a str, not {type(description).__name__}")
-        self.bid = secrets.token_urlsafe(10)  # 14 characters, as Sidekiq Pro's bids
+        self.bid = new_bid()
         self.description = description
         self._client = client
         self._callbacks: dict[str, tuple[str, str]] = {}  # event -> (payload text, queue)

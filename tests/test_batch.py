@@ -834,3 +834,7 @@ def test_a_scheduled_batch_job_an_operator_kills_counts_as_dead(client, r, worke
     status = batch.status()
     assert {jid: f["fate"] for jid, f in status.failures.items()} == {later: "dead", failing: "dead"}
     assert callbacks(r) == [("report", ["c"])] and r.zcard("dead") == 2
+
+
+def test_no_bid_starts_with_a_dash_that_forkq_batch_would_read_as_an_option():
+    assert not [bid for bid in (forkq.Batch().bid for _ in range(2000)) if bid.startswith("-")]
