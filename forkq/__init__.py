@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .cron import CronError, periodic
     from .jobs import Job, job
     from .logs import JobFields, current_job
+    from .payload import Call, call
     from .results import result
 
 __all__ = [
@@ -30,7 +31,7 @@ __all__ = [
     "OverLimit", "PartialEnqueue", "RedisUnavailable", "ResultNotReady", "TimeLimitExceeded", "UnknownJob",
     "UnstorableResult", "configure", "current_job", "default_client", "job", "on_fork", "periodic", "result",
     "server_middleware", "slot_index",
-    "Batch", "BatchStatus", "batch_status", "current_batch",
+    "Batch", "BatchStatus", "batch_status", "current_batch", "Call", "call",
 ]
 __version__ = "0.1.0"
 
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 _LAZY = {"Client": "client", "configure": "client", "default_client": "client",
          "Job": "jobs", "job": "jobs", "JobFields": "logs", "current_job": "logs",
          "CronError": "cron", "periodic": "cron", "result": "results",
+         "Call": "payload", "call": "payload",
          "Batch": "batch", "BatchStatus": "batch", "batch_status": "batch",
          "current_batch": "batch"}
 # `import forkq` used to import these too, so forkq.client.connect or forkq.jobs.REGISTRY

@@ -362,6 +362,8 @@ def _local(iso: str | None) -> str | None:
 def _args_text(job: dict | None) -> str:
     import json
     text = json.dumps(job.get("args"), default=str) if job else "(unreadable)"
+    if job and "kwargs" in job:  # keyword arguments next to the positional ones
+        text += " " + json.dumps(job["kwargs"], default=str)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -382,8 +384,11 @@ def _busy(conn, args):
         job = j.job or {}
         took = now - j.run_at if j.run_at else None
         name = payload.display_name(job) if job else None
-        data.append({"identity": j.identity, "thread": j.thread, "queue": j.queue, "jid": job.get("jid"),
-                     "class": name, "args": job.get("args"), "run_at": j.run_at, "running_for": took})
+        row = {"identity": j.identity, "thread": j.thread, "queue": j.queue, "jid": job.get("jid"),
+               "class": name, "args": job.get("args"), "run_at": j.run_at, "running_for": took}
+        if "kwargs" in job:
+            row["kwargs"] = job["kwargs"]
+        data.append(row)
         rows.append([j.identity, j.queue, job.get("jid"), name, _age(took), _args_text(j.job)])
     header = ["process", "queue", "jid", "class", "running", "args"]
     return data, _table(header, rows) if rows else ["no jobs running"]

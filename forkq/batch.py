@@ -90,15 +90,15 @@ class Batch:
         return self._client or default_client()
 
     # -- callbacks ----------------------------------------------------------------------
-    def on_success(self, job: "Job | Enqueuer", *args: Any) -> "Batch":
-        """Push job(*args) once every job of the batch has succeeded (retries included)."""
-        return self._callback("on_success", job, args)
+    def on_success(self, job: "Job | Enqueuer", /, *args: Any, **kwargs: Any) -> "Batch":
+        """Push job(*args, **kwargs) once every job of the batch has succeeded (retries included)."""
+        return self._callback("on_success", job, args, kwargs)
 
-    def on_complete(self, job: "Job | Enqueuer", *args: Any) -> "Batch":
-        """Push job(*args) once every job of the batch has succeeded or failed at least once."""
-        return self._callback("on_complete", job, args)
+    def on_complete(self, job: "Job | Enqueuer", /, *args: Any, **kwargs: Any) -> "Batch":
+        """Push job(*args, **kwargs) once every job of the batch has succeeded or failed at least once."""
+        return self._callback("on_complete", job, args, kwargs)
 
-    def _callback(self, event: str, job: Any, args: tuple) -> "Batch":
+    def _callback(self, event: str, job: Any, args: tuple, kwargs: dict[str, Any]) -> "Batch":
         from .jobs import Enqueuer, Job
         if self._state not in ("new", "open"):
             raise RuntimeError(f"batch {self.bid} is {self._state}: its callbacks are fixed")
@@ -114,8 +114,9 @@ class Batch:
             raise ValueError(f"{job.job.name}: a batch callback cannot expire; use "
                              ".options(expires_in=None)")
         checked = payload.check_args(list(args))
-        job.job.check_arity(checked)
-        (built,) = job._build([checked])
+        kwargs = payload.check_kwargs(kwargs)
+        job.job.check_call(checked, kwargs)
+        (built,) = job._build([checked], {0: kwargs} if kwargs else None)
         self._callbacks[event] = (payload.dumps(built), payload.check_queue(built["queue"]))
         return self
 

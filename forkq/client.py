@@ -412,24 +412,35 @@ class Client:
         return self._pushers
 
     def push(self, name: str, args: Iterable[Any] = (), *, queue: str = "default",
-             retry: bool | int = True, at: float | datetime | None = None, **options: Any) -> str | None:
-        """Push one job; return its jid, or None if a client middleware dropped it."""
-        jids = self._push_checked(name, [payload.check_args(payload.bulk_item(args))], queue,
-                                  retry, at, options)
+             retry: bool | int = True, at: float | datetime | None = None,
+             kwargs: dict[str, Any] | None = None, **options: Any) -> str | None:
+        """Push one job; return its jid, or None if a client middleware dropped it.
+        `kwargs`: keyword arguments, for a job a forkq worker runs (Sidekiq ignores them)."""
+        checked = [payload.check_args(payload.bulk_item(args))]
+        keywords = {0: payload.check_kwargs(kwargs)} if kwargs else None
+        jids = self._push_checked(name, checked, queue, retry, at, options, keywords)
         return jids[0] if jids else None
 
-    def push_bulk(self, name: str, args_list: Iterable[Iterable[Any]], *, queue: str = "default",
+    def push_bulk(self, name: str, args_list: Iterable[Any], *, queue: str = "default",
                   retry: bool | int = True, at: float | datetime | None = None,
                   **options: Any) -> list[str]:
-        """Push many jobs of one kind in one round trip (Sidekiq's push_bulk); return jids."""
-        return self._push_checked(name, payload.check_many(args_list), queue, retry, at, options)
+        """Push many jobs of one kind in one round trip (Sidekiq's push_bulk); return jids.
+        An item is positional args (a list or tuple), keyword arguments (a dict), or both
+        (`forkq.call(*args, **kwargs)`)."""
+        checked, keywords = payload.check_many(args_list)
+        return self._push_checked(name, checked, queue, retry, at, options, keywords)
 
     def _push_checked(self, name: str, checked: list[list], queue: str, retry: bool | int,
-                      at: float | datetime | None, options: dict[str, Any]) -> list[str]:
+                      at: float | datetime | None, options: dict[str, Any],
+                      keywords: dict[int, dict[str, Any]] | None = None) -> list[str]:
         payload.check_options(unique.check(options))
         payload.check_retry(retry)
         now = time.time()
-        jobs = [payload.build(name, a, queue, retry, now, **options) for a in checked]
+        if keywords:
+            jobs = [payload.build(name, a, queue, retry, now, keywords.get(i), **options)
+                    for i, a in enumerate(checked)]
+        else:
+            jobs = [payload.build(name, a, queue, retry, now, **options) for a in checked]
         return self.push_jobs(jobs, at=at)
 
     def push_jobs(self, jobs: list[dict[str, Any]], at: float | datetime | None = None) -> list[str]:
@@ -486,7 +497,8 @@ class Client:
             q = j.get("queue", "default") if later else j["queue"]  # as the plain path reads it
             payload.check_queue(q)
             if unique.wanted(j):
-                lock, ttl = unique.lock_key(j["class"], q, j["args"]), unique.ttl_ms(j, delay)
+                lock = unique.lock_key(j["class"], q, j["args"], j.get("kwargs"))
+                ttl = unique.ttl_ms(j, delay)
             else:
                 lock, ttl = "", 0
             if not later:

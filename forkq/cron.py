@@ -198,16 +198,19 @@ class Entry:
     args: tuple = ()
     options: tuple = ()  # (key, value) pairs for the payload: retry, backtrace, tags...
     max_delay: float | None = None
+    kwargs: tuple = ()  # (name, value) pairs: the job's keyword arguments
 
     @property
     def signature(self) -> tuple:
         # what makes a second declaration under the same name the same entry
         import json
         return (self.schedule.spec, self.job, self.queue, json.dumps(self.args),
-                json.dumps(dict(self.options), sort_keys=True), self.max_delay)
+                json.dumps(dict(self.options), sort_keys=True), self.max_delay,
+                json.dumps(dict(self.kwargs), sort_keys=True))
 
     def payload(self, due: int, now: float) -> dict[str, Any]:
-        job = payload.build(self.job, list(self.args), self.queue, now=now, **dict(self.options))
+        job = payload.build(self.job, list(self.args), self.queue, now=now,
+                            kwargs=dict(self.kwargs) or None, **dict(self.options))
         job["jid"] = jid_for(self.name, due)
         # a job pushed late (a missed due time caught up) can tell which time it stands for
         job["cron"] = {"name": self.name, "due": due}
@@ -222,8 +225,9 @@ ENTRIES: dict[str, Entry] = {}
 
 def periodic(expression: str, job: Any, args: list | tuple = (), *, name: str | None = None,
              tz: str | ZoneInfo = "UTC", queue: str | None = None, retry: bool | int | None = None,
-             max_delay: float | None = None, **options: Any) -> Entry:
-    """Push `job` with `args` at each due time of `expression` in time zone `tz`, once
+             max_delay: float | None = None, kwargs: dict[str, Any] | None = None,
+             **options: Any) -> Entry:
+    """Push `job` with `args` (and keyword arguments `kwargs`) at each due time of `expression` in time zone `tz`, once
     across every forkq process running this app. Call it at import, in the app's jobs
     module.
 
@@ -271,8 +275,9 @@ def periodic(expression: str, job: Any, args: list | tuple = (), *, name: str | 
     where = f"forkq.periodic {entry_name!r}"
     try:
         checked = payload.check_args(args)
+        keywords = payload.check_kwargs(kwargs) if kwargs is not None else {}
         if isinstance(job, Job):
-            job.check_arity(checked)
+            job.check_call(checked, keywords)
         queue_name = payload.check_queue(merged["queue"])
     except TypeError as exc:
         raise TypeError(f"{where}: {exc}") from None
@@ -285,7 +290,8 @@ def periodic(expression: str, job: Any, args: list | tuple = (), *, name: str | 
                         f"not {max_delay!r}")
     schedule = Schedule(expression, tz, where)
     entry = Entry(entry_name, schedule, job_name, queue_name, tuple(checked),
-                  tuple((k, v) for k, v in merged.items() if k != "queue"), max_delay)
+                  tuple((k, v) for k, v in merged.items() if k != "queue"), max_delay,
+                  tuple(keywords.items()))
     existing = ENTRIES.get(entry_name)
     if existing is not None and existing.signature != entry.signature:
         raise CronError(f"{where}: an entry of that name is already declared "
@@ -529,7 +535,7 @@ def status(conn: redis.Redis, entries: list[Entry], now: float) -> list[dict[str
         rows.append({
             "name": entry.name, "expression": entry.schedule.expression,
             "timezone": entry.schedule.tz.key, "job": entry.job, "queue": entry.queue,
-            "args": list(entry.args), "max_delay": entry.max_delay,
+            "args": list(entry.args), "kwargs": dict(entry.kwargs), "max_delay": entry.max_delay,
             "next_due": due, "next_due_local": None if due is None else entry.schedule.local(due).isoformat(),
             "last_pushed": last,
             "last_pushed_local": None if last is None else entry.schedule.local(last).isoformat(),

@@ -36,54 +36,71 @@ class Enqueuer:
     def client(self) -> Client:
         return self._client or self.job.client or default_client()
 
-    def _push(self, args_list: list, at: float | datetime | None) -> list[str]:
-        checked = [payload.check_args(a) for a in args_list]
-        for args in checked:
-            try:
-                self.job.check_arity(args)
-            except TypeError as exc:
-                raise TypeError(f"{exc}: nothing was pushed") from None
-        return self.client.push_jobs(self._build(checked), at=at)
+    def _push(self, args: tuple, kwargs: dict[str, Any], at: float | datetime | None) -> list[str]:
+        checked = payload.check_args(args)
+        job = self.job
+        try:
+            if kwargs or job.keywords_required:
+                kwargs = payload.check_kwargs(kwargs)
+                job.check_call(checked, kwargs)
+            else:
+                job.check_arity(checked)
+        except TypeError as exc:
+            raise TypeError(f"{exc}: nothing was pushed") from None
+        return self.client.push_jobs(self._build([checked], {0: kwargs} if kwargs else None), at=at)
 
-    def _build(self, checked: list[list]) -> list[dict[str, Any]]:
+    def _build(self, checked: list[list], keywords: dict[int, dict[str, Any]] | None = None,
+               first: int = 0) -> list[dict[str, Any]]:
+        """Payloads for checked args lists; `keywords` holds the keyword arguments of the
+        items that have any, by index in the whole push (checked[0] being item `first`)."""
         now = time.time()
-        return [payload.build(self.job.name, a, now=now, **self.options) for a in checked]
+        name, options = self.job.name, self.options
+        if not keywords:
+            return [payload.build(name, a, now=now, **options) for a in checked]
+        return [payload.build(name, a, now=now, kwargs=keywords.get(i), **options)
+                for i, a in enumerate(checked, first)]
 
-    def enqueue(self, *args: Any) -> str | None:
-        jids = self._push([args], None)
+    def enqueue(self, *args: Any, **kwargs: Any) -> str | None:
+        jids = self._push(args, kwargs, None)
         return jids[0] if jids else None
 
-    def enqueue_in(self, seconds: float, *args: Any) -> str | None:
-        jids = self._push([args], time.time() + seconds)
+    def enqueue_in(self, seconds: float, /, *args: Any, **kwargs: Any) -> str | None:
+        jids = self._push(args, kwargs, time.time() + seconds)
         return jids[0] if jids else None
 
-    def enqueue_at(self, when: float | datetime, *args: Any) -> str | None:
-        jids = self._push([args], epoch(when))
+    def enqueue_at(self, when: float | datetime, /, *args: Any, **kwargs: Any) -> str | None:
+        jids = self._push(args, kwargs, epoch(when))
         return jids[0] if jids else None
 
-    def enqueue_many(self, args_list: Iterable[Iterable[Any]], batch_size: int = 1000) -> list[str]:
+    def enqueue_many(self, args_list: Iterable[Any], batch_size: int = 1000) -> list[str]:
         """Push many jobs, one round trip per batch of `batch_size`; return the jids of
         those pushed (not of jobs client middleware dropped, nor of unique jobs refused
         because an identical one is pending: the list is then shorter than the input).
 
+        Each item is a job's positional args (a tuple or list), its keyword arguments (a
+        dict), or both (`forkq.call(*args, **kwargs)`).
+
         Every argument list is checked before any job is pushed, so a bad one pushes
         nothing. When Redis fails after some batches went in, PartialEnqueue says which
         jobs are in Redis: a retry of the rest pushes no job twice."""
-        checked = payload.check_many(args_list)
-        if self.job.arity is not None and checked:
+        checked, keywords = payload.check_many(args_list)
+        job = self.job
+        if job.arity is not None and checked:
             # the lengths' extremes, not check_arity per item: a bulk push costs about 3 us
-            # a job in all, and this about 50 ns (check_arity's call alone costs more)
-            fewest, most = self.job.arity
+            # a job in all, and this about 50 ns (check_arity's call alone costs more);
+            # items with keyword arguments are each checked in full
+            fewest, most = job.arity
             lengths = list(map(len, checked))
-            if min(lengths) < fewest or (most is not None and max(lengths) > most):
+            if (keywords or job.keywords_required or min(lengths) < fewest
+                    or (most is not None and max(lengths) > most)):
                 for i, args in enumerate(checked):
                     try:
-                        self.job.check_arity(args)
+                        job.check_call(args, keywords.get(i))
                     except TypeError as exc:
                         raise TypeError(f"item {i} of the list: {exc}: nothing was pushed") from None
         jids: list[str] = []
         for start in range(0, len(checked), batch_size):
-            jobs = self._build(checked[start:start + batch_size])
+            jobs = self._build(checked[start:start + batch_size], keywords, start)
             try:
                 jids += self.client.push_jobs(jobs)
             except (RedisUnavailable, redis.RedisError) as exc:
@@ -123,7 +140,10 @@ class Job:
         self.__wrapped__ = fn
         # (fewest, most) positional args the function takes, most None for *args; None when
         # its signature cannot be read: a push that could only fail when run is refused
-        self.arity = _arity(fn, name)
+        self.signature = _signature(fn)
+        self.arity = _arity(self.signature)
+        # keyword-only parameters without a default: a push must name each of them
+        self.keywords_required = _keywords_required(self.signature)
 
     def check_arity(self, args: list) -> None:
         """Raise TypeError if the function cannot be called with `args`: such a job
@@ -142,6 +162,20 @@ class Job:
             one = takes in ("1", "at least 1")
             raise TypeError(f"{self.name} takes {takes} positional argument{'' if one else 's'}, "
                             f"not {len(args)}")
+
+    def check_call(self, args: list, kwargs: dict[str, Any] | None) -> None:
+        """Raise TypeError if the function cannot be called with `args` and keyword
+        arguments `kwargs` (an unknown name, one also given positionally, a required
+        parameter left out), as check_arity does for positional ones alone."""
+        if not kwargs and not self.keywords_required:
+            self.check_arity(args)
+            return
+        if self.signature is None:
+            return
+        try:
+            self.signature.bind(*args, **(kwargs or {}))
+        except TypeError as exc:
+            raise TypeError(f"{self.name} cannot be called with these arguments: {exc}") from None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -173,16 +207,16 @@ class Job:
             enqueuer = self._enqueuer = self.options()
         return enqueuer
 
-    def enqueue(self, *args: Any) -> str | None:
-        return self._default().enqueue(*args)
+    def enqueue(self, *args: Any, **kwargs: Any) -> str | None:
+        return self._default().enqueue(*args, **kwargs)
 
-    def enqueue_in(self, seconds: float, *args: Any) -> str | None:
-        return self._default().enqueue_in(seconds, *args)
+    def enqueue_in(self, seconds: float, /, *args: Any, **kwargs: Any) -> str | None:
+        return self._default().enqueue_in(seconds, *args, **kwargs)
 
-    def enqueue_at(self, when: float | datetime, *args: Any) -> str | None:
-        return self._default().enqueue_at(when, *args)
+    def enqueue_at(self, when: float | datetime, /, *args: Any, **kwargs: Any) -> str | None:
+        return self._default().enqueue_at(when, *args, **kwargs)
 
-    def enqueue_many(self, args_list: Iterable[Iterable[Any]], batch_size: int = 1000) -> list[str]:
+    def enqueue_many(self, args_list: Iterable[Any], batch_size: int = 1000) -> list[str]:
         return self._default().enqueue_many(args_list, batch_size)
 
     def retry_in(self, hook: RetryIn) -> RetryIn:
@@ -266,26 +300,34 @@ def _check_runnable(f: Callable[..., Any], name: str) -> None:
                         "runs none of its body); make it a plain def without yield")
 
 
-def _arity(f: Callable[..., Any], name: str) -> tuple[int, int | None] | None:
+def _signature(f: Callable[..., Any]) -> inspect.Signature | None:
     try:
         # the function the worker calls, not the one a functools.wraps decorator names as
         # __wrapped__: that wrapper may fill some of its parameters in itself
-        params = inspect.signature(f, follow_wrapped=False).parameters.values()
+        return inspect.signature(f, follow_wrapped=False)
     except (TypeError, ValueError):  # a builtin or an object Python cannot describe
+        return None
+
+
+def _arity(sig: inspect.Signature | None) -> tuple[int, int | None] | None:
+    if sig is None:
         return None
     fewest, most = 0, 0
     star = False
-    for p in params:
+    for p in sig.parameters.values():
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             most += 1
             fewest += p.default is p.empty
         elif p.kind is p.VAR_POSITIONAL:
             star = True
-        elif p.kind is p.KEYWORD_ONLY and p.default is p.empty:
-            raise TypeError(f"@forkq.job {name}: keyword-only parameter {p.name!r} has no default, "
-                            "and a job is called with its positional args only (as in Sidekiq); "
-                            "give it a default or make it positional")
     return fewest, None if star else most
+
+
+def _keywords_required(sig: inspect.Signature | None) -> frozenset[str]:
+    if sig is None:
+        return frozenset()
+    return frozenset(p.name for p in sig.parameters.values()
+                     if p.kind is p.KEYWORD_ONLY and p.default is p.empty)
 
 
 def lookup(name: str) -> Job | None:

@@ -119,16 +119,71 @@ def check_args(args: Any) -> list:
     return args
 
 
-def check_many(args_list: Iterable[Any]) -> list[list]:
+def check_kwargs(kwargs: Any) -> dict[str, Any]:
+    """Return keyword arguments as a dict, or raise TypeError naming the first name that
+    is not a str or the first value JSON can't carry (with check_args's wording)."""
+    if type(kwargs) is not dict:
+        if not isinstance(kwargs, dict):
+            raise TypeError(f"job keyword arguments must be a dict, not {type(kwargs).__name__}")
+        kwargs = dict(kwargs)
+    for name, v in kwargs.items():
+        if type(name) is not str:
+            raise TypeError(f"job keyword argument name {name!r} is not a str "
+                            f"({type(name).__name__}); keyword argument names are str")
+        if not _native(v):
+            where, bad = _first_bad(v, f"kwargs[{name!r}]")
+            raise TypeError(
+                f"job argument {where} is {bad!r} ({type(bad).__name__}); forkq accepts only "
+                "JSON-native values: None, bool, int, float (finite), str, list, dict with str keys"
+            )
+    return kwargs
+
+
+class Call:
+    """One item of a bulk push that gives keyword arguments, with or without positional
+    ones: `forkq.call(7, locale="en")`. A plain dict item is keyword arguments only; a
+    tuple or list, positional only. (A bare `(args, kwargs)` pair would read as a job of
+    two arguments, so it means just that.)"""
+
+    __slots__ = ("args", "kwargs")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+        self.kwargs = kwargs
+
+    def __repr__(self) -> str:
+        inner = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        return f"forkq.call({', '.join(inner)})"
+
+
+def call(*args: Any, **kwargs: Any) -> Call:
+    """An item of `enqueue_many` (or `Client.push_bulk`) giving positional and keyword
+    arguments: `job.enqueue_many([forkq.call(1, locale="en"), forkq.call(2)])`."""
+    return Call(*args, **kwargs)
+
+
+def check_many(args_list: Iterable[Any]) -> tuple[list[list], dict[int, dict[str, Any]]]:
     """check_args for each item of a bulk push; a refusal names the item, since the value
-    alone may not tell which of thousands it was in."""
-    checked = []
+    alone may not tell which of thousands it was in. Returns the args lists and, by item
+    index, the keyword arguments of the items that give any (a dict item, or a Call)."""
+    checked: list[list] = []
+    keywords: dict[int, dict[str, Any]] = {}
     for item in args_list:
         try:
-            checked.append(check_args(bulk_item(item)))
+            kind = type(item)
+            if kind is tuple or kind is list:  # the common items first, as fast as before
+                checked.append(check_args(item))
+            elif kind is dict or kind is Call:
+                args, kwargs = ((), item) if kind is dict else (item.args, item.kwargs)
+                kwargs = check_kwargs(kwargs)
+                if kwargs:
+                    keywords[len(checked)] = kwargs
+                checked.append(check_args(args))
+            else:
+                checked.append(check_args(bulk_item(item)))
         except TypeError as exc:
             raise TypeError(f"item {len(checked)} of the list: {exc}") from None
-    return checked
+    return checked, keywords
 
 
 def check_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -137,6 +192,11 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
     and the job would carry a value of another type than the one given. expires_in and
     keep_result are checked as numbers of seconds; keep_result=None is taken out;
     overlimit_retries as a count."""
+    if "kwargs" in options:
+        # a push's keyword arguments are checked against the function; as an option they
+        # would reach the payload unchecked
+        raise TypeError("kwargs is not a job option: give keyword arguments to the push "
+                        "(job.enqueue(x=1), Client.push(name, args, kwargs={...}))")
     if "expires_in" in options:
         check_expires_in(options["expires_in"])
     if "keep_result" in options and check_keep_result(options["keep_result"]) is None:
@@ -215,11 +275,18 @@ def check_queue(name: Any) -> str:
 
 
 def build(name: str, args: list, queue: str = "default", retry: bool | int = True,
-          now: float | None = None, **extra: Any) -> dict[str, Any]:
-    """A new job, fields in Sidekiq's order; extra options (backtrace, retry_queue...) kept."""
+          now: float | None = None, kwargs: dict[str, Any] | None = None,
+          **extra: Any) -> dict[str, Any]:
+    """A new job, fields in Sidekiq's order; extra options (backtrace, retry_queue...) kept.
+    Checked keyword arguments go in a "kwargs" field after args; without any (None or
+    empty) the payload has no such field, byte for byte what Sidekiq's client writes."""
     now = time.time() if now is None else now
-    job: dict[str, Any] = {"class": name, "args": args, "jid": new_jid(), "queue": queue,
-                           "retry": retry, "created_at": now}
+    if kwargs:
+        job: dict[str, Any] = {"class": name, "args": args, "kwargs": kwargs, "jid": new_jid(),
+                               "queue": queue, "retry": retry, "created_at": now}
+    else:
+        job = {"class": name, "args": args, "jid": new_jid(), "queue": queue,
+               "retry": retry, "created_at": now}
     if extra:
         job.update(extra)
     return job
@@ -244,6 +311,9 @@ def parse(raw: bytes | str) -> dict[str, Any]:
         raise MalformedPayload("payload has no 'class' string")
     if type(job.get("args")) is not list:
         raise MalformedPayload("payload 'args' is missing or not a list")
+    # JSON object keys are always strings: an object is all a worker needs to call with it
+    if "kwargs" in job and type(job["kwargs"]) is not dict:
+        raise MalformedPayload("payload 'kwargs' is not an object (keyword arguments by name)")
     return job
 
 

@@ -75,14 +75,17 @@ def _leave_copy(exc: BaseException | None) -> None:
 
 
 def run_job(fn: Callable[..., Any], job: dict[str, Any], queue: str) -> Any:
-    """Call a job's function with its args, through the registered server middleware."""
+    """Call a job's function with its args (and kwargs, when the payload has them),
+    through the registered server middleware."""
     chain = hooks.SERVER_MIDDLEWARE
     if not chain:
-        return fn(*job["args"])
+        kwargs = job.get("kwargs")
+        return fn(*job["args"]) if kwargs is None else fn(*job["args"], **kwargs)
 
     def call(i: int) -> Any:
         if i == len(chain):
-            return fn(*job["args"])
+            kwargs = job.get("kwargs")  # as a middleware left the payload, as args are
+            return fn(*job["args"]) if kwargs is None else fn(*job["args"], **kwargs)
         return chain[i](job, queue, lambda: call(i + 1))
     return call(0)
 

@@ -5,7 +5,7 @@
     def test_signup():
         with testing.fake() as jobs:        # pushes are recorded here, not sent
             signup("ann@example.com")
-            assert jobs.args(send_welcome) == [[42, "en"]]
+            assert jobs.args(send_welcome) == [[42, "en"]]   # jobs.kwargs(...), jobs.calls(...)
             jobs.drain()                     # runs them here, and what they enqueue
 
     def test_signup_end_to_end():
@@ -64,8 +64,16 @@ class FakeJobs:
         return [j for j in self.jobs if j["class"] == name]
 
     def args(self, job: Job | str) -> list[list[Any]]:
-        """Each push's arguments, for one job, as a worker would receive them."""
+        """Each push's positional arguments, for one job, as a worker would receive them."""
         return [j["args"] for j in self.of(job)]
+
+    def kwargs(self, job: Job | str) -> list[dict[str, Any]]:
+        """Each push's keyword arguments, for one job ({} for a push that gave none)."""
+        return [j.get("kwargs", {}) for j in self.of(job)]
+
+    def calls(self, job: Job | str) -> list[tuple[list[Any], dict[str, Any]]]:
+        """Each push of one job as (args, kwargs), the call a worker would make."""
+        return [(j["args"], j.get("kwargs", {})) for j in self.of(job)]
 
     def queue(self, name: str) -> list[dict[str, Any]]:
         return [j for j in self.jobs if j["queue"] == name]

@@ -1,6 +1,7 @@
 """Unique jobs (`unique_for`): a push is refused while an identical job holds its lock.
 
-The lock is `unique:<SHA-256 hex>` of the job's class, queue and args, holding the jid of
+The lock is `unique:<SHA-256 hex>` of the job's class, queue and args (and keyword
+arguments, when the job has any), holding the jid of
 the job that took it, for unique_for seconds (plus the delay of a scheduled push). The
 push that takes it is one Lua call with the push itself (scripts/unique_push.lua); the
 worker releases it, only while it still holds the same jid, after a success (riding on
@@ -69,10 +70,13 @@ def _check_until(until: Any) -> None:
         raise ValueError(f"unique_until must be 'success' or 'start', not {until!r}")
 
 
-def lock_key(name: str, queue: str, args: list) -> str:
+def lock_key(name: str, queue: str, args: list, kwargs: dict[str, Any] | None = None) -> str:
     """The lock of a job's identity: (class, queue, args) as the JSON array
-    [class, queue, args], compact, keys sorted, ASCII-only, hashed with SHA-256."""
-    return PREFIX + hashlib.sha256(_canonical([name, queue, args]).encode()).hexdigest()
+    [class, queue, args], compact, keys sorted, ASCII-only, hashed with SHA-256. A job
+    with keyword arguments adds them, [class, queue, args, kwargs]; one without has the
+    three-item identity it always had, so its locks (and Sidekiq's digest) are unchanged."""
+    identity = [name, queue, args] if kwargs is None else [name, queue, args, kwargs]
+    return PREFIX + hashlib.sha256(_canonical(identity).encode()).hexdigest()
 
 
 def lock_of(job: dict[str, Any]) -> str | None:
@@ -86,7 +90,7 @@ def lock_of(job: dict[str, Any]) -> str | None:
     if type(queue) is not str:
         return None
     try:
-        return lock_key(job["class"], queue, job["args"])
+        return lock_key(job["class"], queue, job["args"], job.get("kwargs"))
     except (TypeError, ValueError, RecursionError):
         return None
 

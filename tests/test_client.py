@@ -197,7 +197,7 @@ def test_enqueue_many_accepts_tuples_and_other_iterables(forkq_client, r):
 
 @pytest.mark.parametrize("items, shown", [
     (["abc", "de"], "not str"),
-    ([{"a": 1}], "not dict"),
+    ([{1: "a"}], "name 1 is not a str"),  # a dict item is keyword arguments (by name)
     ([1, 2], "not int"),
     ([b"xy"], "not bytes"),
 ])
@@ -247,11 +247,17 @@ def test_args_the_function_cannot_take_are_refused_and_nothing_is_pushed(forkq_c
     assert len(at_least_one.enqueue_many([[1], [1, 2, 3, 4, 5]])) == 2
     # by name, the function is not known here (another language's worker may run it)
     assert forkq.default_client().push("client_test.two_or_three", [])
-    with pytest.raises(TypeError, match="keyword-only parameter 'b' has no default"):
-        forkq.job(name="client_test.needs_keyword")(lambda a, *, b: None)
-    with pytest.raises(TypeError, match="keyword-only parameter 'b' has no default"):
-        forkq.job(name="client_test.needs_keyword")(lambda *a, b: None)
-    assert "client_test.needs_keyword" not in forkq.jobs.REGISTRY
+    # a keyword-only parameter without a default is allowed now that a push can name it:
+    # every push must (test_kwargs.py has the rest)
+    needs = forkq.job(name="client_test.needs_keyword")(lambda *a, b: None)
+    try:
+        with pytest.raises(TypeError, match=r"missing a required argument: 'b': nothing was pushed"):
+            needs.enqueue(1)
+        with pytest.raises(TypeError, match=r"^item 0 of the list: .*missing a required argument: 'b'"):
+            needs.enqueue_many([(1,), {"b": 2}])
+        assert needs.enqueue(1, b=2)
+    finally:
+        forkq.jobs.REGISTRY.pop("client_test.needs_keyword", None)
 
 
 def _inject(*front, **keywords):
