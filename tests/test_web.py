@@ -326,6 +326,22 @@ def test_a_job_page_acts_through_the_list_endpoint_and_a_gone_job_is_a_404(brows
 
 
 @pytest.mark.timeout(30)
+def test_keyword_arguments_show_next_to_the_args_escaped(browser, r, redis_url):
+    fill(r, "dead", [dead_job(1, kwargs={"locale": "fr", HOSTILE: [HOSTILE]}), dead_job(2)])
+    r.lpush("queue:default", json.dumps(dead_job(3, kwargs={"note": HOSTILE})))
+    listing = browser.get("/dead").text
+    assert "<code>[1]</code> <code>{&#34;locale&#34;: &#34;fr&#34;, &#34;&lt;script&gt;" in listing
+    assert re.search(r"<code>\[2\]</code>\s*<details>", listing)  # no kwargs: the args alone
+    assert "<code>{&#34;note&#34;: &#34;&lt;script&gt;" in browser.get("/queues/default").text
+    key = re.findall(r'<a href="/dead/([^"]+)" class="job">', listing)[-1]  # job 1: the oldest
+    page = browser.get(f"/dead/{key}").text
+    assert "<tr><th>Keyword arguments</th>" in page
+    assert "<code>locale=&#34;fr&#34;</code>" in page
+    assert "<code>&lt;script&gt;alert(&#34;x&#34;)" in page and "<script>alert" not in page
+    assert "<th>kwargs</th>" not in page  # a row of its own, not among the other fields
+
+
+@pytest.mark.timeout(30)
 def test_a_job_page_escapes_hostile_fields_and_caps_huge_ones(browser, r, redis_url):
     hostile = dead_job(1, klass=HOSTILE, queue=HOSTILE, args=[HOSTILE, "\x1b[1mbold"],
                        error_class=HOSTILE, error_message=HOSTILE, jid=HOSTILE,

@@ -276,7 +276,7 @@ PAYLOAD_LIMIT = 200_000     # characters of the whole payload under "payload"
 # the fields a job's page shows in rows of their own (the rest are listed after them)
 TIMES = (("created_at", "Created"), ("enqueued_at", "Enqueued"), ("failed_at", "Failed"),
          ("retried_at", "Retried"))
-SHOWN = {"class", "wrapped", "args", "jid", "queue", "retry_count", "error_class",
+SHOWN = {"class", "wrapped", "args", "kwargs", "jid", "queue", "retry_count", "error_class",
          "error_message", "error_backtrace", "bid"} | {name for name, _ in TIMES}
 # what the score of each set's entries means
 SCORE_LABELS = {"retries": "Next retry", "scheduled": "Scheduled for", "dead": "Died"}
@@ -338,9 +338,11 @@ def job_page(dash: "Dashboard", req: Request, slug: str, key: str) -> Response:
     job = entry.job or {}
     lines, problem = backtrace(job.get("error_backtrace"))
     args = job.get("args") if isinstance(job.get("args"), list) else []
+    kwargs = list(job["kwargs"].items()) if isinstance(job.get("kwargs"), dict) else []
     extras = sorted((k, v) for k, v in job.items() if k not in SHOWN)
     return dash.render(req, "job.html", slug=slug, title=title, entry=entry, job=job, key=key,
                        args=args[:ARGS_SHOWN], more_args=max(0, len(args) - ARGS_SHOWN),
+                       kwargs=kwargs[:ARGS_SHOWN], more_kwargs=max(0, len(kwargs) - ARGS_SHOWN),
                        times=[(label_, job[f]) for f, label_ in TIMES if f in job],
                        extras=extras[:EXTRAS_SHOWN],
                        more_extras=max(0, len(extras) - EXTRAS_SHOWN),
