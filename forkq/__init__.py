@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (ConfigError, ForkqError, JobFailed, MalformedPayload, OverLimit, PartialEnqueue,
                      RedisUnavailable, ResultNotReady, TimeLimitExceeded, UnknownJob, UnstorableResult)
-from .hooks import on_fork, server_middleware, slot_index
+from .hooks import on_death, on_fork, server_middleware, slot_index
 
 if TYPE_CHECKING:
     from .batch import Batch, BatchStatus, batch_status, current_batch
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Client", "ConfigError", "CronError", "ForkqError", "Job", "JobFailed", "JobFields", "MalformedPayload",
     "OverLimit", "PartialEnqueue", "RedisUnavailable", "ResultNotReady", "TimeLimitExceeded", "UnknownJob",
-    "UnstorableResult", "configure", "current_job", "default_client", "job", "on_fork", "periodic", "result",
+    "UnstorableResult", "configure", "current_job", "default_client", "job", "on_death", "on_fork", "periodic", "result",
     "server_middleware", "slot_index",
     "Batch", "BatchStatus", "batch_status", "current_batch", "Call", "call",
 ]

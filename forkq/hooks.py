@@ -1,4 +1,5 @@
-"""App-registered hooks: server middleware around each job, on_fork, and the child's slot."""
+"""App-registered hooks: server middleware around each job, on_fork, death handlers, and
+the child's slot."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ ServerMiddleware = Callable[[dict, str, Callable[[], Any]], Any]
 
 SERVER_MIDDLEWARE: list[ServerMiddleware] = []
 ON_FORK: list[Callable[[int], None]] = []
+DeathHandler = Callable[[dict, BaseException], None]
+ON_DEATH: list[DeathHandler] = []
 
 
 def server_middleware(mw: ServerMiddleware) -> ServerMiddleware:
@@ -24,6 +27,15 @@ def server_middleware(mw: ServerMiddleware) -> ServerMiddleware:
 def on_fork(fn: Callable[[int], None]) -> Callable[[int], None]:
     """Register fn(slot) to run in each child after fork, before its threads start."""
     ON_FORK.append(fn)
+    return fn
+
+
+def on_death(fn: DeathHandler) -> DeathHandler:
+    """Register fn(job, exc) to run, in the worker, once a job has failed its way into the
+    dead set (its retries ran out, or a retry_in hook said "kill"): after the write, so
+    an alert it sends describes what Redis holds. A handler that raises is logged, and
+    changes nothing for the job."""
+    ON_DEATH.append(fn)
     return fn
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from . import batch, keys, payload, results, scripts, unique
+from . import batch, hooks, keys, logs, payload, results, scripts, unique
 from .errors import UnknownJob
 from .fetch import writes_refused
 
@@ -272,6 +272,8 @@ class Outcomes:
                 self._plans.pop(token, None)
             raise
         self._plans.pop(token, None)
+        if fate == "dead" and hooks.ON_DEATH:
+            _run_death_handlers(job, exc)
         return fate
 
     def _plan(self, job: dict[str, Any], exc: BaseException,
@@ -345,3 +347,13 @@ class Outcomes:
                     # above 0 and falls back to its default backoff)
                     return 0.0
         return backoff(count)
+
+
+def _run_death_handlers(job: dict[str, Any], exc: BaseException) -> None:
+    for handler in list(hooks.ON_DEATH):
+        try:
+            handler(job, exc)
+        except BaseException:  # SystemExit too: it would end the processor thread
+            logs.get("forkq.retry").exception("a death handler failed; the job is in dead all the same",
+                                              handler=getattr(handler, "__qualname__", repr(handler)),
+                                              jid=job.get("jid"))
