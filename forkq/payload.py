@@ -111,12 +111,14 @@ def check_args(args: Any) -> list:
         raise TypeError(f"job args must be a list or tuple, not {type(args).__name__}")
     for i, v in enumerate(args):
         if not _native(v):
-            where, bad = _first_bad(v, f"args[{i}]")
-            raise TypeError(
-                f"job argument {where} is {bad!r} ({type(bad).__name__}); forkq accepts only "
-                "JSON-native values: None, bool, int, float (finite), str, list, dict with str keys"
-            )
+            _refuse(v, f"args[{i}]")
     return args
+
+
+def _refuse(value: Any, path: str) -> None:
+    where, bad = _first_bad(value, path)
+    raise TypeError(f"job argument {where} is {bad!r} ({type(bad).__name__}); forkq accepts only "
+                    "JSON-native values: None, bool, int, float (finite), str, list, dict with str keys")
 
 
 def check_kwargs(kwargs: Any) -> dict[str, Any]:
@@ -131,11 +133,7 @@ def check_kwargs(kwargs: Any) -> dict[str, Any]:
             raise TypeError(f"job keyword argument name {name!r} is not a str "
                             f"({type(name).__name__}); keyword argument names are str")
         if not _native(v):
-            where, bad = _first_bad(v, f"kwargs[{name!r}]")
-            raise TypeError(
-                f"job argument {where} is {bad!r} ({type(bad).__name__}); forkq accepts only "
-                "JSON-native values: None, bool, int, float (finite), str, list, dict with str keys"
-            )
+            _refuse(v, f"kwargs[{name!r}]")
     return kwargs
 
 
