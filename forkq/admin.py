@@ -314,7 +314,8 @@ def _processes(conn, args):
     for g in groups:
         for p in g.processes:
             rows.append([g.master or "(none)", p.slot, p.pid, f"{p.busy}/{p.concurrency or '?'}",
-                         f"{p.rss_kb / 1024:.1f}", _age(p.beat_age), "quiet" if p.quiet else "running",
+                         f"{p.rss_kb / 1024:.1f}", _age(p.beat_age),
+                         "quiet" if p.quiet else f"running (paused: {','.join(p.paused)})" if p.paused else "running",
                          p.identity])
     header = ["master", "slot", "pid", "busy", "rss MB", "heartbeat", "state", "identity"]
     return data, _table(header, rows) if rows else ["no live processes"]

@@ -168,6 +168,8 @@ class ProcessInfo:
     beat_age: float | None
     quiet: bool
     queues: list[str]
+    # those of its queues it has read as paused and claims nothing from (forkq.pause)
+    paused: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,7 @@ def _process(hb: dict[str, Any]) -> ProcessInfo:
                        master if isinstance(master, str) and master else None, hb["busy"],
                        hb.get("concurrency") or _int("concurrency"), hb["rss_kb"], hb["beat_age"],
                        hb["quiet"],
-                       [q for q in info.get("queues", []) if isinstance(q, str)])
+                       [q for q in info.get("queues", []) if isinstance(q, str)], hb["paused"])
 
 
 def processes(conn: redis.Redis) -> list[ProcessGroup]:

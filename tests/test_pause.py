@@ -67,6 +67,8 @@ def test_a_paused_queue_is_not_claimed_from_after_a_heartbeat_and_is_again_after
     # the heartbeat says which pauses the process honours, for `forkq pause --wait`
     assert json.loads(r.hget(launcher.identity, "forkq_paused")) == ["pa"]
     assert pause.laggards(r, "pa") == []
+    (shown,) = [p for g in api.processes(r) for p in g.processes]
+    assert shown.paused == ["pa"]  # what `forkq processes` shows
     record = pause.paused(r)["pa"]
     assert (record.reason, record.by) == ("provider down", "ops@test")
 
