@@ -225,8 +225,23 @@ class Concurrent(_Limiter):
         if _client.test_push is not None:
             return _FREE  # forkq.testing's fake() or inline(): no Redis, everyone admitted
         token = secrets.token_hex(8)
-        self._wait(lambda: self._attempt(token))
-        return Lease(self, token)
+        try:
+            self._wait(lambda: self._attempt(token))
+            return Lease(self, token)
+        except OverLimit:
+            raise  # never admitted: nothing to give back
+        except BaseException:
+            # Interrupted (a time limit's exception, Ctrl-C: delivered as the script's
+            # reply comes in) or cut off, after Redis may have admitted the token: give it
+            # back now, or the slot stays taken until lock_timeout, by nobody
+            self._give_back(token)
+            raise
+
+    def _give_back(self, token: str) -> None:
+        try:
+            self._redis().zrem(self.key, token)
+        except Exception:  # lapses by itself after lock_timeout
+            pass
 
     def _attempt(self, token: str) -> tuple[bool, None]:
         conn = self._redis()
@@ -237,10 +252,14 @@ class Concurrent(_Limiter):
 
     def __enter__(self) -> Lease:
         lease = self.acquire()
-        stack = getattr(self._held, "stack", None)
-        if stack is None:
-            stack = self._held.stack = []
-        stack.append(lease)
+        try:
+            stack = getattr(self._held, "stack", None)
+            if stack is None:
+                stack = self._held.stack = []
+            stack.append(lease)
+        except BaseException:  # interrupted here, __exit__ would never give it back
+            lease.release()
+            raise
         return lease
 
     def __exit__(self, *exc: Any) -> None:

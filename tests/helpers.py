@@ -471,6 +471,29 @@ class CommandHolder(_Proxy):
         super().close()
 
 
+class ReplyHolder(_Proxy):
+    """A proxy that holds back, until `release` is set, the reply to the first request
+    holding `marker`: the command has run in Redis, and its client is still waiting."""
+
+    def __init__(self, port: int, marker: bytes) -> None:
+        self.marker = marker
+        self.holding = threading.Event()
+        self.release = threading.Event()
+        super().__init__(port)
+
+    def _forward(self, data: bytes, replies: bool, marked: threading.Event) -> bool:
+        if not replies and self.marker in data:
+            marked.set()
+        elif replies and marked.is_set() and not self.holding.is_set():
+            self.holding.set()
+            self.release.wait()
+        return True
+
+    def close(self) -> None:
+        self.release.set()
+        super().close()
+
+
 # ---------------------------------------------------------------------------
 # Ruby Sidekiq 6.4.1
 # ---------------------------------------------------------------------------

@@ -404,3 +404,41 @@ def test_a_release_past_lock_timeout_says_it_lapsed_even_if_nobody_swept_it(clie
     assert late.release() is False
     assert r.zrange(short.key, 0, -1) == [other.token.encode()]  # its own entry gone, no other
     assert other.release() is True
+
+
+@pytest.mark.parametrize("how", ["acquire", "with"])
+def test_an_interruption_as_the_admission_comes_in_gives_the_slot_back(redis_server, r, how):
+    """A time limit's exception (raised into the thread with PyThreadState_SetAsyncExc, as
+    forkq's watchdog does) that lands as the script's reply arrives, after Redis admitted
+    the token: the slot goes back at once, not after lock_timeout."""
+    import ctypes
+    from helpers import ReplyHolder
+    from forkq.timelimit import TimeLimitExceeded
+    holder = ReplyHolder(redis_server.port, marker=b"EVALSHA")
+    lim = limiter.concurrent("interrupted", 1, lock_timeout=60,
+                             client=forkq.Client(f"redis://127.0.0.1:{holder.port}/0"))
+    from forkq import scripts
+    r.script_load(scripts.source("limiter_concurrent"))  # the held call is its one EVALSHA
+    caught: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            if how == "with":
+                with lim:
+                    time.sleep(5)  # never reached: interrupted on the way in
+            else:
+                lim.acquire()
+        except BaseException as exc:
+            caught.append(exc)
+    t = threading.Thread(target=take)
+    try:
+        t.start()
+        assert holder.holding.wait(5)  # admitted in Redis, the reply on its way
+        assert r.zcard(keys.limiter("interrupted", "concurrent")) == 1
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident), ctypes.py_object(TimeLimitExceeded))
+        holder.release.set()
+        t.join(5)
+    finally:
+        holder.close()
+    assert [type(e) for e in caught] == [TimeLimitExceeded]
+    assert r.zcard(keys.limiter("interrupted", "concurrent")) == 0
