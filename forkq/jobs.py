@@ -60,7 +60,8 @@ class Enqueuer:
         return [payload.build(name, a, now=now, kwargs=keywords.get(i), **options)
                 for i, a in enumerate(checked, first)]
 
-    def enqueue(self, *args: Any, **kwargs: Any) -> str | None:
+    # self positional-only, as the time of enqueue_in: a job's own `self` goes to the job
+    def enqueue(self, /, *args: Any, **kwargs: Any) -> str | None:
         jids = self._push(args, kwargs, None)
         return jids[0] if jids else None
 
@@ -177,7 +178,7 @@ class Job:
         except TypeError as exc:
             raise TypeError(f"{self.name} cannot be called with these arguments: {exc}") from None
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
 
     def __repr__(self) -> str:
@@ -207,7 +208,7 @@ class Job:
             enqueuer = self._enqueuer = self.options()
         return enqueuer
 
-    def enqueue(self, *args: Any, **kwargs: Any) -> str | None:
+    def enqueue(self, /, *args: Any, **kwargs: Any) -> str | None:
         return self._default().enqueue(*args, **kwargs)
 
     def enqueue_in(self, seconds: float, /, *args: Any, **kwargs: Any) -> str | None:

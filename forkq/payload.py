@@ -145,7 +145,7 @@ class Call:
 
     __slots__ = ("args", "kwargs")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, /, *args: Any, **kwargs: Any) -> None:
         self.args = args
         self.kwargs = kwargs
 

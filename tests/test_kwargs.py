@@ -108,6 +108,28 @@ def test_enqueue_in_and_at_take_a_parameter_named_seconds_or_when(client, r):
         ([], {"seconds": 5, "when": "later"}, True), ([1], {"when": "x"}, True)]
 
 
+@forkq.job(queue="kq", name="kwargs_test.method_like")
+def method_like(self, other=None):
+    calls.append((self, other))
+
+
+def test_a_parameter_named_self_is_given_by_keyword_on_every_push_path(client, r, worker):
+    # `self` of enqueue (and of forkq.call, and of calling the job) is positional-only:
+    # a job's own parameter of that name takes it by keyword, as `seconds` does
+    e = method_like.options(client=client)
+    assert method_like.options(client=client).enqueue(self="a", other=1)
+    assert e.enqueue_in(60, self="b")
+    assert e.enqueue_many([forkq.call(self="c"), {"self": "d"}])
+    with testing.fake() as jobs:
+        method_like.enqueue(self="e")
+        assert jobs.kwargs(method_like) == [{"self": "e"}]
+    assert method_like(self="f") is None  # called here, as a function
+    assert [j.get("kwargs") for j in queued(r)] == [{"self": "a", "other": 1}, {"self": "c"},
+                                                     {"self": "d"}]
+    run_one(worker)
+    assert calls == [("f", None), ("a", 1)]
+
+
 def test_enqueue_many_takes_dict_items_and_forkq_call_items(client, r, worker):
     items = [(1,), {"user": 2, "locale": "de"}, forkq.call(3, "hey", locale="it"), [4], forkq.call(5)]
     jids = greet.options(client=client).enqueue_many(items)
