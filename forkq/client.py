@@ -417,7 +417,9 @@ class Client:
         """Push one job; return its jid, or None if a client middleware dropped it.
         `kwargs`: keyword arguments, for a job a forkq worker runs (Sidekiq ignores them)."""
         checked = [payload.check_args(payload.bulk_item(args))]
-        keywords = {0: payload.check_kwargs(kwargs)} if kwargs else None
+        # None is none; anything else is checked, so a falsy non-dict ([], "") is refused
+        checked_kwargs = None if kwargs is None else payload.check_kwargs(kwargs)
+        keywords = {0: checked_kwargs} if checked_kwargs else None
         jids = self._push_checked(name, checked, queue, retry, at, options, keywords)
         return jids[0] if jids else None
 

@@ -202,6 +202,15 @@ def test_kwargs_are_checked_against_the_function_and_nothing_is_pushed(client, r
     assert client.push("kwargs_test.greet", [], kwargs={"colour": "red"})  # by name: unchecked
 
 
+def test_client_push_refuses_kwargs_that_are_no_dict_even_empty_ones(client, r):
+    # an empty list or string was read as "no keyword arguments" and the job pushed
+    for bad in ([], "", (), 0, [("x", 1)]):
+        with pytest.raises(TypeError, match=r"keyword arguments must be a dict, not"):
+            client.push("Any", [1], kwargs=bad)
+    assert r.dbsize() == 0
+    assert client.push("Any", [1], kwargs={}) and client.push("Any", [2], kwargs=None)
+
+
 def test_a_keyword_only_parameter_without_default_is_a_required_keyword(client, r, worker):
     assert needs.options(client=client).enqueue(1, token="t")
     assert needs.options(client=client).enqueue_many([forkq.call(2, token="u")])
