@@ -171,8 +171,8 @@ def check_many(args_list: Iterable[Any]) -> tuple[list[list], dict[int, dict[str
             kind = type(item)
             if kind is tuple or kind is list:  # the common items first, as fast as before
                 checked.append(check_args(item))
-            elif kind is dict or kind is Call:
-                args, kwargs = ((), item) if kind is dict else (item.args, item.kwargs)
+            elif kind is Call or isinstance(item, dict):  # an OrderedDict too, as push(kwargs=) takes
+                args, kwargs = (item.args, item.kwargs) if kind is Call else ((), item)
                 kwargs = check_kwargs(kwargs)
                 if kwargs:
                     keywords[len(checked)] = kwargs

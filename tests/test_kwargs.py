@@ -149,6 +149,15 @@ def test_enqueue_many_takes_dict_items_and_forkq_call_items(client, r, worker):
         ([{"a": 1}, {"b": 2}], None), ([], {"c": 3}), ([1], {"d": 4})]
 
 
+def test_a_dict_subclass_item_is_keyword_arguments_as_a_dict_is(client, r):
+    from collections import OrderedDict, defaultdict
+    items = [OrderedDict(user=1, locale="de"), defaultdict(int, user=2)]
+    assert len(greet.options(client=client).enqueue_many(items)) == 2
+    client.push_bulk("Any", [OrderedDict(a=1)], queue="other")
+    assert [j["kwargs"] for j in queued(r)] == [{"user": 1, "locale": "de"}, {"user": 2}]
+    assert [j["kwargs"] for j in queued(r, "other")] == [{"a": 1}]
+
+
 def test_a_push_without_kwargs_is_byte_for_byte_as_before(client, r):
     greet.options(client=client).enqueue(1, "hi")
     greet.options(client=client).enqueue(2, **{})
