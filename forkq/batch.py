@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import random
 import secrets
 import time
 from dataclasses import dataclass
@@ -135,7 +136,8 @@ class Batch:
             # one call: the hash, and the batch's entry in the index `forkq batches` lists
             scripts.load(self.client.redis, "batch_open")(
                 keys=[key(self.bid), keys.BATCHES],
-                args=[self.bid, self.description, repr(time.time()), keys.BATCHES_MAX])
+                args=[self.bid, self.description, repr(time.time()), keys.BATCHES_MAX,
+                      repr(random.random())])
         self._state = "open"
         self._token = _open.set(self)
         return self

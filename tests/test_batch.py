@@ -734,6 +734,27 @@ def test_expired_batches_leave_the_index_as_it_is_read_and_as_batches_open(clien
     assert r.zscore(keys.BATCHES, "not-a-hash") is None
 
 
+def test_opening_prunes_past_old_entries_whose_batches_are_still_alive(client, r):
+    # ten batches opened long ago and still alive (their jobs kept retrying, say) used to
+    # be the ten oldest entries every opening looked at: nothing behind them was pruned
+    old = time.time() - batch_mod.TTL_S - 3600
+    alive = []
+    for i in range(10):
+        with forkq.Batch(description=f"long-lived {i}") as b:
+            pass
+        r.zadd(keys.BATCHES, {b.bid: old - 100 + i})
+        alive.append(b.bid)
+    r.zadd(keys.BATCHES, {f"gone-{i}": old + i for i in range(50)})
+    for _ in range(5):
+        with forkq.Batch():
+            pass
+    left = {m.decode() for m in r.zrange(keys.BATCHES, 0, -1)}
+    assert set(alive) <= left
+    # each opening looks at ten of the old entries from a random rank on: a run of five
+    # that all hit the alive ten has a chance of (1/51)**5
+    assert len({m for m in left if m.startswith("gone-")}) < 50
+
+
 def test_recent_reads_past_pages_of_expired_entries(client, r):
     with forkq.Batch(description="oldest") as kept:
         pass
