@@ -183,7 +183,8 @@ def _table(header: list[str], rows: list[list[object]]) -> list[str]:
     return [line(r) for r in cells]
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# and zero-width and bidi controls (U+202E would show a line reversed), as the dashboard's
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
 
 
 def _printable(text: str) -> str:

@@ -73,9 +73,10 @@ def _check_until(until: Any) -> None:
 def lock_key(name: str, queue: str, args: list, kwargs: dict[str, Any] | None = None) -> str:
     """The lock of a job's identity: (class, queue, args) as the JSON array
     [class, queue, args], compact, keys sorted, ASCII-only, hashed with SHA-256. A job
-    with keyword arguments adds them, [class, queue, args, kwargs]; one without has the
+    with keyword arguments adds them, [class, queue, args, kwargs]; one without (or with
+    an empty "kwargs", which runs the same) has the
     three-item identity it always had, so its locks (and Sidekiq's digest) are unchanged."""
-    identity = [name, queue, args] if kwargs is None else [name, queue, args, kwargs]
+    identity = [name, queue, args, kwargs] if kwargs else [name, queue, args]
     return PREFIX + hashlib.sha256(_canonical(identity).encode()).hexdigest()
 
 

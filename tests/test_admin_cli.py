@@ -326,3 +326,8 @@ def test_batches_lists_the_newest_first_with_states_and_counts(r, redis_url, cap
     assert data[0]["description"] == "gave \x1b[31mup" and data[1]["description"] == "nightly import"
     assert data[1]["created_at"] == first.status().created_at
     assert r.zscore(keys.BATCHES, "expired-bid") is None
+
+
+def test_tables_write_out_bidi_and_zero_width_characters():
+    from forkq import admin
+    assert admin._printable("pay\u202elaunch\u200b\x1b[31m") == "pay\\u202elaunch\\u200b\\x1b[31m"

@@ -356,3 +356,9 @@ def test_inline_mode_runs_with_kwargs_and_keeps_the_result():
         jid = greet.options(keep_result=60).enqueue(1, locale="fr")
         assert forkq.result(jid) == {"user": 1, "locale": "fr"}
     assert calls == [(1, "hello", "fr", {"locale": "fr"})]
+
+
+def test_an_empty_kwargs_field_has_the_identity_of_none():
+    from forkq import unique
+    assert unique.lock_key("K", "q", [1], {}) == unique.lock_key("K", "q", [1]) != \
+        unique.lock_key("K", "q", [1], {"a": 1})
