@@ -82,6 +82,20 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--wait", type=whole_number("--wait", 0, 86400), default=30, metavar="SECONDS",
                        help="wait up to this long for every live process working the queue to "
                             "report that it honours the change (default 30; 0: do not wait)")
+    p = sub.add_parser("push", parents=[common],
+                       help="push one job by its name (from a shell, a deploy script, cron)")
+    p.add_argument("name", type=nonempty, help="the job's name (@forkq.job's name, or a Sidekiq class)")
+    p.add_argument("--args", metavar="JSON", default="[]", help="its positional arguments, a JSON array")
+    p.add_argument("--kwargs", metavar="JSON", default=None,
+                   help="its keyword arguments, a JSON object (for a job a forkq worker runs)")
+    p.add_argument("--queue", type=nonempty, default=None,
+                   help="the queue (default: the job's own with the app loaded, else default)")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--in", dest="delay", type=float, metavar="SECONDS", help="run it that many seconds from now")
+    when.add_argument("--at", metavar="WHEN", help="run it then: epoch seconds, or ISO 8601 with a UTC offset")
+    p.add_argument("-r", "--require", action="append", metavar="MODULE_OR_PATH", type=nonempty,
+                   help="the app, to push a job it declares with its own options and check its "
+                        "arguments against the function [env FORKQ_REQUIRE]")
     for name, actions in SET_ACTIONS.items():
         p = sub.add_parser(name, help=f"list or act on the {name} set")
         verbs = p.add_subparsers(dest="action", required=True, parser_class=ArgumentParser)
@@ -106,7 +120,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
 
 
 COMMANDS = ("stats", "queues", "processes", "busy", "suspects", "cron", "batch", "batches", "pause",
-            "resume", *SET_ACTIONS)
+            "resume", "push", *SET_ACTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
         url = client.redis_url(config.redis_url_for_tools(args.redis_url, args.config))
         if args.command == "cron":
             args.entries = _load_entries(args)  # before Redis: a bad app is no Redis matter
+        if args.command == "push":
+            _push_plan(args)  # all checked before Redis is asked anything
     except ConfigError as exc:
         sys.stderr.write(f"forkq: {exc}\n")
         return 2
@@ -128,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
             return _batch(conn, args)
         if args.command in ("pause", "resume"):
             return _pause(conn, args)
+        if args.command == "push":
+            return _push(url, args)
         data, table = {"stats": _stats, "queues": _queues, "processes": _processes,
                        "busy": _busy, "suspects": _suspects, "cron": _cron,
                        "batches": _batches}[args.command](conn, args)
@@ -333,6 +351,87 @@ def _suspects(conn, args):
     if total > len(shown):
         table.append(f"({len(shown)} of {total:,}; --limit shows more)")
     return [e.to_dict() for e in shown], table
+
+
+def _push_plan(args: argparse.Namespace) -> None:
+    """Parse and check `forkq push`'s arguments (ConfigError: one line, exit 2): args.at
+    (epoch seconds or None), args.values, args.keywords, and args.job (the app's Job when
+    the app is loaded and declares the name)."""
+    import json
+    import math
+    from datetime import datetime
+    from . import payload
+    try:
+        values = json.loads(args.args)
+        keywords = None if args.kwargs is None else json.loads(args.kwargs)
+    except ValueError as exc:
+        raise ConfigError(f"push: --args and --kwargs take JSON: {exc}") from None
+    if not isinstance(values, list):
+        raise ConfigError(f"push: --args must be a JSON array, not {type(values).__name__}")
+    if keywords is not None and not isinstance(keywords, dict):
+        raise ConfigError(f"push: --kwargs must be a JSON object, not {type(keywords).__name__}")
+    try:
+        payload.check_args(values)
+        if keywords:
+            payload.check_kwargs(keywords)
+    except TypeError as exc:  # NaN or Infinity, which Python's json reads
+        raise ConfigError(f"push: {exc}") from None
+    args.values, args.keywords = values, keywords or {}
+    when, args.at = args.at, None
+    if args.delay is not None:
+        if not math.isfinite(args.delay) or args.delay < 0:
+            raise ConfigError("push: --in takes a number of seconds, 0 or more")
+        args.at = time.time() + args.delay
+    elif when is not None:
+        try:
+            at = float(when)
+        except ValueError:
+            try:
+                parsed = datetime.fromisoformat(when)
+            except ValueError:
+                raise ConfigError(f"push: --at {when!r} is neither epoch seconds nor an ISO 8601 "
+                                  "time") from None
+            if parsed.tzinfo is None:
+                raise ConfigError(f"push: --at {when!r} has no UTC offset (add Z or +02:00): "
+                                  "a host's local time would push at another moment elsewhere")
+            at = parsed.timestamp()
+        if not math.isfinite(at):
+            raise ConfigError(f"push: --at {when!r} is not a time")
+        args.at = at
+    args.job = None
+    modules = config.require_for_tools(args.require, args.config)
+    if modules:
+        from . import jobs
+        from .cli import load_app
+        load_app(modules)
+        args.job = jobs.lookup(args.name)
+        if args.job is not None:
+            try:
+                args.job.check_call(payload.check_args(values), args.keywords)
+            except TypeError as exc:
+                raise ConfigError(f"push: {exc}") from None
+
+
+def _push(url: str, args: argparse.Namespace) -> int:
+    from . import client
+    c = client.Client(url)
+    if args.job is not None:
+        enqueuer = args.job.options(client=c, **({"queue": args.queue} if args.queue else {}))
+        if args.at is None:
+            jid = enqueuer.enqueue(*args.values, **args.keywords)
+        else:
+            jid = enqueuer.enqueue_at(args.at, *args.values, **args.keywords)
+        queue = enqueuer.options["queue"]
+    else:
+        queue = args.queue or "default"
+        jid = c.push(args.name, args.values, queue=queue, at=args.at, kwargs=args.keywords or None)
+    if jid is None:
+        sys.stderr.write("forkq: nothing pushed: a client middleware dropped it, or it is a "
+                         "unique job whose twin is pending\n")
+        return 1
+    _emit(args, {"jid": jid, "queue": queue, "at": args.at},
+          [jid if args.at is None else f"{jid} (due {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(args.at))})"])
+    return 0
 
 
 def _load_entries(args: argparse.Namespace) -> list:

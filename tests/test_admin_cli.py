@@ -4,6 +4,7 @@ against a real Redis; --json output must parse and agree with forkq.api."""
 from __future__ import annotations
 
 import json
+import time
 import os
 import subprocess
 import sys
@@ -331,3 +332,41 @@ def test_batches_lists_the_newest_first_with_states_and_counts(r, redis_url, cap
 def test_tables_write_out_bidi_and_zero_width_characters():
     from forkq import admin
     assert admin._printable("pay\u202elaunch\u200b\x1b[31m") == "pay\\u202elaunch\\u200b\\x1b[31m"
+
+
+@pytest.mark.timeout(60)
+def test_push_pushes_by_name_or_through_the_app_and_refuses_bad_input_in_one_line(r, redis_url):
+    out = run("push", "app.Report", "--args", '[7, "x"]', "--kwargs", '{"fmt": "pdf"}',
+              "--queue", "reports", url=redis_url)
+    assert out.returncode == 0, out.stderr
+    (raw,) = r.lrange("queue:reports", 0, -1)
+    job = json.loads(raw)
+    assert (job["jid"], job["class"], job["args"], job["kwargs"]) == (out.stdout.strip(), "app.Report",
+                                                                       [7, "x"], {"fmt": "pdf"})
+    later = run("push", "app.Report", "--in", "300", "--json", url=redis_url)
+    assert later.returncode == 0, later.stderr
+    ((member, due),) = r.zrange("schedule", 0, -1, withscores=True)
+    assert json.loads(member)["jid"] == json.loads(later.stdout)["jid"]
+    assert time.time() + 290 < due < time.time() + 310
+    # with the app: the job's own queue and options, and its signature checked
+    app = str(REPO_ROOT / "tests" / "apps" / "core_jobs.py")
+    named = run("push", "CustomName", "--args", "[1]", "--require", app, url=redis_url)
+    assert named.returncode == 0, named.stderr
+    assert json.loads(r.lindex("queue:mail", 0))["retry"] == 3
+    for argv, says in [
+        (["add", "--args", "[1]"], "positional argument"),           # add(a, b) given one
+        (["add", "--args", "[1, 2", ], "JSON"),
+        (["add", "--args", '{"a": 1}'], "JSON array"),
+        (["add", "--kwargs", "[1]"], "JSON object"),
+        (["add", "--args", "[NaN, 1]"], "JSON-native"),
+        (["add", "--args", "[1, 2]", "--at", "2030-01-01T00:00:00"], "UTC offset"),
+        (["add", "--args", "[1, 2]", "--in", "-5"], "--in"),
+    ]:
+        name, *rest = argv
+        bad = run("push", f"tests.apps.core_jobs.{name}", *rest, "--require", app, url=redis_url)
+        assert bad.returncode == 2 and says in bad.stderr, (argv, bad.stderr)
+        assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+    assert r.llen("queue:default") == 0 and r.zcard("schedule") == 1
+    at = run("push", "app.Report", "--at", "2030-01-01T00:00:00Z", url=redis_url)
+    assert at.returncode == 0, at.stderr
+    assert 1893456000.0 in [s for _, s in r.zrange("schedule", 0, -1, withscores=True)]
