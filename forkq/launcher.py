@@ -189,9 +189,16 @@ class Launcher:
         result = pipe.execute()
         self._flushed = self._pending
         paused = frozenset(q for q, record in zip(names, result[-2]) if record is not None)
-        if self.manager.queues_paused(paused):
-            # report at once which pauses it honours now: `forkq pause` may be waiting
-            self.redis.hset(self.identity, "forkq_paused", json.dumps(sorted(paused)))
+        try:
+            if self.manager.queues_paused(paused):
+                # report at once which pauses it honours now: `forkq pause` may be waiting
+                self.redis.hset(self.identity, "forkq_paused", json.dumps(sorted(paused)))
+        finally:
+            # acted on even if the switch's writes failed: the RPOP above has taken the
+            # signal off its list, and raised past, it was lost
+            self._after_beat(result, names, paused)
+
+    def _after_beat(self, result: list[Any], names: list[str], paused: frozenset[str]) -> None:
         # jobs a crash made suspects: the manager runs them one at a time, each alone;
         # a paused queue's wait until it is resumed
         counts = result[-2 - len(names):-2]

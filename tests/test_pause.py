@@ -101,6 +101,37 @@ def test_a_job_a_waiter_caught_as_the_pause_began_goes_back_to_its_queue(redis_u
     assert _queues(manager.fetch.fetch(4)) == ["pa"]
 
 
+def test_a_remote_signal_is_acted_on_when_the_switch_cannot_give_back_what_a_waiter_caught(
+        redis_url, r, redis_server):
+    """The beat's pipeline pops the remote signal; the switch it then makes gives back what
+    a waiter caught, in a call of its own. Refused (an ACL without LMOVE here; an outage
+    outlasting redis-py's retries did the same), it raised past the signal, which was lost
+    for good. The caught job stays in the landing list, claimed only after the resume."""
+    r.acl_setuser("pause-nolmove", enabled=True, nopass=True, keys=["*"], channels=["*"],
+                  commands=["+@all", "-lmove"])
+    manager = Manager(lambda: redis.Redis(port=redis_server.port, username="pause-nolmove"),
+                      "pause-test:acl", QueueOrder([("pa", 0), ("pb", 0)]), concurrency=2)
+    try:
+        manager._register()
+        signals: list[int] = []
+        launcher = Launcher(r, "pause-test:acl", manager, {"queues": ["pa", "pb"]},
+                            on_signal=signals.append)
+        (jid,) = _push(redis_url, "pa", 1)
+        assert manager.fetch.wait_for("pa", manager.redis)
+        pause.pause(r, "pa")
+        r.lpush(keys.signals("pause-test:acl"), "TSTP")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            launcher.beat()
+        assert signals == [signal.SIGTSTP]
+        assert manager.fetch.fetch(2) == []  # paused: the landing list waits too
+        pause.resume(r, "pa")
+        launcher.beat()
+        assert [json.loads(u.raw)["jid"] for u in manager.fetch.fetch(2)] == [jid]
+    finally:
+        manager.fetch.close()
+        r.acl_deluser("pause-nolmove")
+
+
 def test_suspects_of_a_paused_queue_neither_isolate_the_process_nor_run(redis_url, r, driven):
     manager, launcher = driven()
     r.lpush(keys.suspects("pa"), json.dumps({"class": "pause_test.job", "args": [1], "jid": "s1",
