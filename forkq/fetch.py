@@ -161,8 +161,12 @@ class ReliableFetch:
         pipe.set(keys.alive(self.identity), 1, px=keys.ALIVE_TTL_S * 1000)
         pipe.hset(keys.OWNERS, self.identity, self.owner_json)
         pipe.hmget(keys.PAUSED, self.order.names)
-        records = pipe.execute()[-1]
-        return frozenset(q for q, record in zip(self.order.names, records) if record is not None)
+        *written, records = pipe.execute(raise_on_error=False)
+        raise_first(written)
+        paused = read_paused(self.order.names, records)
+        if paused is None:
+            log.error(UNREADABLE_PAUSES, error=str(records))
+        return paused or frozenset()
 
     # -- claiming -------------------------------------------------------------------
     def fetch(self, want: int) -> list[Unit]:
@@ -417,6 +421,27 @@ class ReliableFetch:
         """Return everything this process holds to its queues and unregister it."""
         self.flush_acks()
         return requeue_owner(self.redis, self.identity, self.order.names, script=self._requeue_all)
+
+
+# A forkq:paused of another type (written by hand, say with SADD) made the registration
+# raise, which ended the fetch thread for good, and every heartbeat raise past the remote
+# signal it had popped. Logged instead, and no pause changes until it is fixed.
+UNREADABLE_PAUSES = (f"{keys.PAUSED} cannot be read (it must be a hash, as forkq pause writes "
+                     "it): no queue's pause changes here until it can")
+
+
+def read_paused(names: list[str], records: Any) -> frozenset[str] | None:
+    """Which of `names` are paused, from HMGET forkq:paused's reply; None for an error."""
+    if isinstance(records, Exception):
+        return None
+    return frozenset(q for q, record in zip(names, records) if record is not None)
+
+
+def raise_first(replies: list[Any]) -> None:
+    """Raise the first error among a pipeline's replies (execute(raise_on_error=False))."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
 
 
 _NONE: tuple[list[str], list[After]] = ([], [])

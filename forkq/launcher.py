@@ -20,7 +20,7 @@ import psutil
 import redis
 
 from . import keys, logs, scripts
-from .fetch import refusal, writes_refused
+from .fetch import UNREADABLE_PAUSES, raise_first, read_paused, refusal, writes_refused
 from .manager import REDIS_ERRORS, Manager
 
 log = logs.get("forkq.launcher")
@@ -83,6 +83,7 @@ class Launcher:
     _stopping = False
     _pending = (0, 0)
     _refused = False  # the last beat met fetch.writes_refused
+    _pauses_unreadable = False  # the last beat could not read forkq:paused
 
     def _run(self) -> None:
         while True:
@@ -186,9 +187,15 @@ class Launcher:
         names = list(suspects)
         pipe.hmget(keys.PAUSED, names)
         pipe.rpop(keys.signals(self.identity))
-        result = pipe.execute()
+        result = pipe.execute(raise_on_error=False)
+        raise_first(result[:-2] + result[-1:])  # all but forkq:paused's read (UNREADABLE_PAUSES)
         self._flushed = self._pending
-        paused = frozenset(q for q, record in zip(names, result[-2]) if record is not None)
+        paused = read_paused(names, result[-2])
+        if paused is None:
+            if not self._pauses_unreadable:  # one line as it starts, not one a beat
+                log.error(UNREADABLE_PAUSES, error=str(result[-2]))
+            paused = self.manager.fetch.order.paused
+        self._pauses_unreadable = isinstance(result[-2], Exception)
         try:
             if self.manager.queues_paused(paused):
                 # report at once which pauses it honours now: `forkq pause` may be waiting

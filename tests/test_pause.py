@@ -132,6 +132,39 @@ def test_a_remote_signal_is_acted_on_when_the_switch_cannot_give_back_what_a_wai
         r.acl_deluser("pause-nolmove")
 
 
+def test_a_forkq_paused_key_of_another_type_stops_neither_claims_nor_signals(redis_url, r, monkeypatch):
+    """Written by hand with SADD, say: the registration's HMGET raised WRONGTYPE, which
+    ended the fetch thread (the process heartbeated on, claiming nothing), and so did
+    every beat, after its pipeline had popped the remote signal. Now one error line says
+    the key cannot be read, and no pause changes until it is fixed."""
+    import structlog
+
+    from forkq import fetch as fetch_mod
+    from forkq import launcher as launcher_mod
+    r.sadd(keys.PAUSED, "pa")
+    _push(redis_url, "pa", 1)
+    signals: list[int] = []
+    manager = Manager(lambda: redis.Redis.from_url(redis_url), "pause-test:wrongtype",
+                      QueueOrder([("pa", 0), ("pb", 0)]), concurrency=2)
+    try:
+        with structlog.testing.capture_logs() as logged:
+            # loggers made under capture_logs: the modules' may be cached by an earlier test
+            monkeypatch.setattr(fetch_mod, "log", structlog.get_logger("forkq.fetch"))
+            monkeypatch.setattr(launcher_mod, "log", structlog.get_logger("forkq.launcher"))
+            assert manager._register()
+            launcher = Launcher(r, "pause-test:wrongtype", manager, {"queues": ["pa", "pb"]},
+                                on_signal=signals.append)
+            r.lpush(keys.signals("pause-test:wrongtype"), "TSTP")
+            launcher.beat()
+            launcher.beat()
+        assert signals == [signal.SIGTSTP]
+        assert _queues(manager.fetch.fetch(2)) == ["pa"]
+        unreadable = [e for e in logged if "forkq:paused cannot be read" in e["event"]]
+        assert len(unreadable) == 2 and "WRONGTYPE" in unreadable[0]["error"]  # register, 1st beat
+    finally:
+        manager.fetch.close()
+
+
 def test_suspects_of_a_paused_queue_neither_isolate_the_process_nor_run(redis_url, r, driven):
     manager, launcher = driven()
     r.lpush(keys.suspects("pa"), json.dumps({"class": "pause_test.job", "args": [1], "jid": "s1",
