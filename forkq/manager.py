@@ -426,12 +426,15 @@ class Manager:
             self.suspects_waiting = now
             self._wake.set()
 
-    def queues_paused(self, paused: frozenset[str]) -> bool:
+    def queues_paused(self, paused: frozenset[str], resume: bool = True) -> bool:
         """The heartbeat read which of this process's queues are paused (pause.py): claim
-        from none of them, block on none of them. True if that changed anything."""
+        from none of them, block on none of them. True if that changed anything.
+        `resume=False` for the registration's read, which may be older than a heartbeat's
+        applied meanwhile (its reply slow to come): it may add pauses, never end one. It
+        ended a pause the heartbeat had already reported honoured, and jobs of the queue
+        ran until the next beat, after `forkq pause --wait` had returned."""
         order = self.fetch.order
-        before = order.paused
-        if paused == before:
+        if paused == order.paused or not resume and paused <= order.paused:
             return False
         # Under the baton, so no claim is on its way with the old order: once this returns
         # (and the heartbeat says the pause is honoured) no job of a paused queue starts.
@@ -439,6 +442,11 @@ class Manager:
         # one blocking on a paused queue is unblocked and finds it closed; then what a
         # waiter caught just before goes back (fetch() no longer drains those lists).
         with self._baton:
+            before = order.paused  # read again: the other caller may have switched meanwhile
+            if not resume:
+                paused = paused | before
+            if paused == before:
+                return False
             order.set_paused(paused)
             self.waiters.set_paused(paused)
             for queue in sorted(paused - before):
@@ -473,7 +481,7 @@ class Manager:
                 delay = min(delay * 2, 2.0)
                 continue
             self.health.ok()
-            self.queues_paused(paused)
+            self.queues_paused(paused, resume=False)
             return True
         return False
 

@@ -88,6 +88,39 @@ def test_a_process_registered_while_its_queue_is_paused_never_claims_from_it(red
     assert r.llen(keys.queue("pa")) == 2
 
 
+def test_a_registration_answered_late_does_not_end_a_pause_the_heartbeat_honours(redis_url, r, redis_server):
+    """The registration reads the pauses as it starts; the first heartbeat, on its own
+    connection, reads them again. A registration whose reply came late (read before the
+    pause) applied its stale read after the heartbeat had applied and reported the pause:
+    the queue was resumed here while `forkq pause --wait` counted this process as
+    honouring it, and its jobs were claimed until the next beat."""
+    import threading
+
+    from helpers import ReplyHolder
+    holder = ReplyHolder(redis_server.port, b"HMGET")  # the registration's pipeline
+    manager = Manager(lambda: redis.Redis(port=holder.port), "pause-test:late",
+                      QueueOrder([("pa", 0), ("pb", 0)]), concurrency=2)
+    registering = threading.Thread(target=manager._register)
+    try:
+        launcher = Launcher(r, "pause-test:late", manager, {"queues": ["pa", "pb"]},
+                            on_signal=lambda signum: None)
+        _push(redis_url, "pa", 1)
+        registering.start()
+        assert holder.holding.wait(5)  # it read forkq:paused: nothing paused yet
+        pause.pause(r, "pa")
+        launcher.beat()
+        assert pause.laggards(r, "pa") == []  # honoured, says the heartbeat
+        holder.release.set()
+        registering.join(5)
+        assert not registering.is_alive()
+        assert manager.fetch.order.paused == {"pa"}
+        assert manager.fetch.fetch(2) == []
+    finally:
+        holder.close()
+        registering.join(5)
+        manager.fetch.close()
+
+
 def test_a_job_a_waiter_caught_as_the_pause_began_goes_back_to_its_queue(redis_url, r, driven):
     manager, launcher = driven()
     (jid,) = _push(redis_url, "pa", 1)
