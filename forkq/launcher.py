@@ -171,6 +171,7 @@ class Launcher:
             pipe.set(keys.alive(self.identity), 1, px=keys.ALIVE_TTL_S * 1000)
         pipe.sadd(keys.PROCESSES, self.identity)
         pipe.exists(self.identity)
+        reported = self.manager.fetch.order.paused
         pipe.hset(self.identity, mapping={
             "info": self.info_json, "busy": len(running), "beat": time.time(), "rtt_us": rtt_us,
             "quiet": "true" if self.manager.quiet_flag else "false",
@@ -179,7 +180,7 @@ class Launcher:
             # without it its Web UI shows forkq with 0 threads and 0% utilisation
             "concurrency": self._concurrency,
             # the paused queues this process claims nothing from (pause.wait_honoured)
-            "forkq_paused": json.dumps(sorted(self.manager.fetch.order.paused))})
+            "forkq_paused": json.dumps(sorted(reported))})
         pipe.expire(self.identity, keys.HEARTBEAT_TTL_S)
         suspects = self.manager.fetch.suspect_keys
         for key in suspects.values():
@@ -197,9 +198,13 @@ class Launcher:
             paused = self.manager.fetch.order.paused
         self._pauses_unreadable = isinstance(result[-2], Exception)
         try:
-            if self.manager.queues_paused(paused):
-                # report at once which pauses it honours now: `forkq pause` may be waiting
-                self.redis.hset(self.identity, "forkq_paused", json.dumps(sorted(paused)))
+            self.manager.queues_paused(paused)
+            if (honoured := self.manager.fetch.order.paused) != reported:
+                # report at once which pauses it honours now: `forkq pause` may be waiting.
+                # Also when the registration, not this beat, switched since `reported` was
+                # read: left to the next beat, a new process said it honoured no pause for
+                # a whole interval, and `forkq pause --wait` waited that long for it
+                self.redis.hset(self.identity, "forkq_paused", json.dumps(sorted(honoured)))
         finally:
             # acted on even if the switch's writes failed: the RPOP above has taken the
             # signal off its list, and raised past, it was lost
