@@ -318,9 +318,14 @@ def _pause(conn, args) -> int:
     else:
         lines.append(f"{len(late)} of the live processes working it did not confirm within "
                      f"{args.wait} s (Redis slow to them, or stuck): {', '.join(map(_printable, late))}")
+    unaware = pause.blind(conn, queue) if pausing else []
+    if unaware:
+        lines.append(f"{len(unaware)} live processes working it never read forkq's pauses (Ruby "
+                     f"Sidekiq, or an older forkq) and go on running its jobs: "
+                     f"{', '.join(map(_printable, unaware))}")
     _emit(args, {"queue": queue, "state": state, "changed": changed, "processes": working,
-                 "unconfirmed": late}, lines)
-    return 1 if late else 0
+                 "unconfirmed": late, "unaware": unaware}, lines)
+    return 1 if late or unaware else 0
 
 
 

@@ -190,7 +190,7 @@ def _process(hb: dict[str, Any]) -> ProcessInfo:
                        master if isinstance(master, str) and master else None, hb["busy"],
                        hb.get("concurrency") or _int("concurrency"), hb["rss_kb"], hb["beat_age"],
                        hb["quiet"],
-                       [q for q in info.get("queues", []) if isinstance(q, str)], hb["paused"])
+                       [q for q in info.get("queues", []) if isinstance(q, str)], hb["paused"] or [])
 
 
 def processes(conn: redis.Redis) -> list[ProcessGroup]:

@@ -179,8 +179,9 @@ def heartbeats(conn: redis.Redis) -> list[dict[str, Any]]:
                     # Sidekiq 8.1.2+ keeps its thread count here and no longer in info
                     "concurrency": _number(h.get(b"concurrency"), int) or None,
                     "beat_age": now - beat if beat and math.isfinite(beat) else None,
-                    # the paused queues this process honours (forkq's own field; see pause.py)
-                    "paused": _names(h.get(b"forkq_paused"))})
+                    # the paused queues this process honours (forkq's own field; see pause.py);
+                    # None from a process that never reads pauses (Sidekiq, an older forkq)
+                    "paused": _names(h[b"forkq_paused"]) if b"forkq_paused" in h else None})
     return out
 
 

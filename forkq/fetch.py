@@ -679,6 +679,8 @@ class Waiters:
     def set_paused(self, paused: frozenset[str]) -> None:
         """Block on no queue in `paused`: a wait already blocking on one ends now (what it
         caught meanwhile goes back), and its waiter sleeps until the queue is resumed."""
+        if self._stopping:
+            return  # stop() opened every queue so that no waiter sleeps past it: keep them so
         newly = [q for q, ev in self._open.items() if q in paused and ev.is_set()]
         for q, ev in self._open.items():
             if q in paused:

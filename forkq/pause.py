@@ -83,8 +83,17 @@ def working(conn: redis.Redis, queue: str) -> list[dict[str, Any]]:
 
 def laggards(conn: redis.Redis, queue: str, want_paused: bool = True) -> list[str]:
     """Identities of live processes that work `queue` and have not yet reported honouring
-    its state (paused, or with want_paused=False resumed)."""
-    return [hb["identity"] for hb in working(conn, queue) if (queue in hb["paused"]) != want_paused]
+    its state (paused, or with want_paused=False resumed). Not those that never read
+    pauses (see blind): waiting for them would be waiting for ever."""
+    return [hb["identity"] for hb in working(conn, queue)
+            if hb["paused"] is not None and (queue in hb["paused"]) != want_paused]
+
+
+def blind(conn: redis.Redis, queue: str) -> list[str]:
+    """Identities of live processes that work `queue` and never read pauses: Ruby Sidekiq
+    (forkq:paused is forkq's own) or a forkq from before pauses. They go on claiming the
+    queue's jobs while it is paused."""
+    return [hb["identity"] for hb in working(conn, queue) if hb["paused"] is None]
 
 
 def wait_honoured(conn: redis.Redis, queue: str, timeout: float, want_paused: bool = True,

@@ -129,6 +129,12 @@ class Supervisor:
 
     # -- main loop ----------------------------------------------------------------------
     def run(self) -> int:
+        # The children's own modules, imported here before any fork: every child runs the
+        # code this master started with. Imported in each child, after an in-place upgrade
+        # (pip install -U under a running master) a respawned child mixed the new worker
+        # with the master's old fetch and scripts, and crashed at start or stop. Their
+        # pages are shared too. Importing them starts no thread.
+        from . import worker  # noqa: F401
         if self.settings.metrics_port is not None:
             # listening before the first fork, and before gc.freeze(): the children share
             # the imported client library's pages, and close the socket (see child_main)

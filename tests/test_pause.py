@@ -350,3 +350,18 @@ def test_pause_without_live_workers_says_so_and_resume_of_an_active_queue_exits_
     assert _cli(redis_url, "resume", "lonely", "--wait", "0").returncode == 0
     again = _cli(redis_url, "resume", "lonely", "--wait", "0")
     assert again.returncode == 0 and "was already active" in again.stdout
+
+
+def test_pause_names_processes_that_never_read_pauses_and_exits_1(redis_url, r):
+    """A Ruby Sidekiq process working the queue (its heartbeat has no forkq_paused field)
+    goes on claiming its jobs: `forkq pause` says so at once instead of waiting for it."""
+    ident = "rubyhost:4242:0123456789ab"
+    r.sadd(keys.PROCESSES, ident)
+    r.hset(ident, mapping={"info": json.dumps({"hostname": "rubyhost", "queues": ["pa"]}),
+                           "busy": 0, "beat": time.time(), "quiet": "false"})
+    started = time.monotonic()
+    done = _cli(redis_url, "pause", "pa", "--wait", "20")
+    assert time.monotonic() - started < 10  # not waited for
+    assert done.returncode == 1 and ident in done.stdout and "never read" in done.stdout
+    assert pause.laggards(r, "pa") == [] and pause.blind(r, "pa") == [ident]
+    assert _cli(redis_url, "resume", "pa", "--wait", "5").returncode == 0
