@@ -49,7 +49,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     common.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
     p = sub.add_parser("stats", parents=[common], help="processed/failed totals, set sizes, crash suspects, daily history")
     p.add_argument("--days", type=whole_number("--days", 1, 3660), default=7, help="days of history (default 7)")
-    sub.add_parser("queues", parents=[common], help="each queue: size, crash suspects and latency")
+    sub.add_parser("queues", parents=[common], help="each queue: size, crash suspects, latency, paused or not")
     sub.add_parser("processes", parents=[common], help="live processes grouped by master")
     sub.add_parser("busy", parents=[common], help="the jobs running now, longest-running first")
     p = sub.add_parser("suspects", parents=[common],
