@@ -139,6 +139,13 @@ class Job:
         self.time_limit = time_limit
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
+        # fn is what a worker (and forkq.testing) calls: for an async def, a plain function
+        # that runs its coroutine on the process's event loop (forkq.aio). Decided here, so
+        # a run tests nothing: a sync job's path is what it was.
+        self.is_async = inspect.iscoroutinefunction(fn)
+        if self.is_async:
+            from . import aio  # only for an app with async jobs: asyncio is not imported else
+            self.fn = aio.runner(fn, limited=time_limit is not None)
         # (fewest, most) positional args the function takes, most None for *args; None when
         # its signature cannot be read: a push that could only fail when run is refused
         self.signature = _signature(fn)
@@ -179,7 +186,8 @@ class Job:
             raise TypeError(f"{self.name} cannot be called with these arguments: {exc}") from None
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
+        # the function as written: an async def job's call returns its coroutine
+        return self.__wrapped__(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<forkq.Job {self.name} queue={self.queue}>"
@@ -290,12 +298,11 @@ def _check_time_limit(limit: Any) -> float | None:
 
 def _check_runnable(f: Callable[..., Any], name: str) -> None:
     # A processor thread calls the function and takes its return as the end of the job:
-    # calling one of these only makes a coroutine or generator, so the body never ran
-    # while the job was logged done, counted and acknowledged.
-    if inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f):
-        raise TypeError(f"@forkq.job {name}: an async def function cannot be a job (forkq calls "
-                        "jobs in threads, and would only create its coroutine, never run it); "
-                        "make it a plain def, which may call asyncio.run(...)")
+    # calling one of these only makes a generator, so the body never ran while the job
+    # was logged done, counted and acknowledged. (An async def runs on the event loop.)
+    if inspect.isasyncgenfunction(f):
+        raise TypeError(f"@forkq.job {name}: an async generator function cannot be a job (calling "
+                        "it runs none of its body); make it an async def without yield")
     if inspect.isgeneratorfunction(f):
         raise TypeError(f"@forkq.job {name}: a generator function cannot be a job (calling it "
                         "runs none of its body); make it a plain def without yield")

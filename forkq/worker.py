@@ -226,6 +226,8 @@ class Worker:
         finished = self.manager.stop(deadline)
         if not finished:
             WATCHDOG.give_up_fired(timeout=1.0)  # before any requeue puts such a job back
+        else:
+            stop_async_loop()
         self._hand_over_acks()  # before any stop-time write that a frozen Redis could hold
         if not finished:
             log.warning("jobs still running at the timeout; putting them back on their queues",
@@ -368,6 +370,14 @@ class Sweeps:
 
 
 _copies_reset = False
+
+
+def stop_async_loop() -> None:
+    """Once every job ended: cancel what async jobs left running on this process's event
+    loop (forkq.aio), if one was started, and stop it. A hard stop exits without it."""
+    aio = sys.modules.get("forkq.aio")
+    if aio is not None:
+        aio.shutdown(timeout=1.0)
 
 
 def default_signals_in_copies() -> None:
