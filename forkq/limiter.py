@@ -19,6 +19,7 @@ drift, and a lease or a window measured by two clocks would admit too many.
 
 from __future__ import annotations
 
+import contextvars
 import random
 import secrets
 import threading
@@ -214,7 +215,12 @@ class Concurrent(_Limiter):
         self.lock_timeout = _check_seconds("lock_timeout", lock_timeout, zero=False)
         super().__init__(name, wait_timeout, client)
         self._lease_ms = max(1, round(self.lock_timeout * 1000))
-        self._held = threading.local()  # each thread's leases taken by `with limiter:`
+        # the leases taken by `with limiter:`, innermost last, in this thread or asyncio
+        # task: async jobs' coroutines share one thread, and interleave at each await. A
+        # tuple replaced at each change, so a task started inside a `with` cannot pop the
+        # lease of the task that started it.
+        self._held: contextvars.ContextVar[tuple[Lease, ...]] = contextvars.ContextVar(
+            f"forkq_limiter_{name}", default=())
 
     def describe(self) -> str:
         return f"concurrent, size {self.size}, lock_timeout {self.lock_timeout:g} s"
@@ -253,17 +259,16 @@ class Concurrent(_Limiter):
     def __enter__(self) -> Lease:
         lease = self.acquire()
         try:
-            stack = getattr(self._held, "stack", None)
-            if stack is None:
-                stack = self._held.stack = []
-            stack.append(lease)
+            self._held.set(self._held.get() + (lease,))
         except BaseException:  # interrupted here, __exit__ would never give it back
             lease.release()
             raise
         return lease
 
     def __exit__(self, *exc: Any) -> None:
-        self._held.stack.pop().release()
+        held = self._held.get()
+        self._held.set(held[:-1])
+        held[-1].release()
 
 
 class _Counting(_Limiter):

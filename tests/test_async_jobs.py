@@ -16,7 +16,7 @@ import pytest
 import structlog
 
 import forkq
-from forkq import aio, hooks, testing, timelimit
+from forkq import aio, hooks, limiter, testing, timelimit
 from forkq.manager import Manager
 from forkq.queues import QueueOrder
 from corekit import hand_driven_fixture, run_one
@@ -83,6 +83,26 @@ async def leaves_a_task():
             cleaned.append("background")
             raise
     leaves_a_task.left = asyncio.get_running_loop().create_task(background())
+
+
+pool = limiter.concurrent("aio-pool", 2, wait_timeout=1)
+
+
+@forkq.job(name="aio.hold", queue=QUEUE)
+async def hold(mine, other):
+    # "a" takes a lease, then "b"; "a" leaves its `with` while "b" is still in its own
+    for tag in (mine, other, "a-out"):
+        events.setdefault(tag, asyncio.Event())
+    if mine == "b":
+        await asyncio.wait_for(events["a"].wait(), 5)
+    with pool as lease:
+        seen.append({"tag": mine, "token": lease.token})
+        events[mine].set()
+        await asyncio.wait_for(events[other if mine == "a" else "a-out"].wait(), 5)
+    if mine == "a":
+        b = next(s["token"] for s in seen if s["tag"] == "b")
+        seen.append({"b_still_held": pool._redis().zscore(pool.key, b) is not None})
+        events["a-out"].set()
 
 
 worker = hand_driven_fixture(QUEUE, "test:1:async000000a")
@@ -153,31 +173,48 @@ def test_an_async_jobs_exception_is_its_failure_and_goes_to_retry(client, r, wor
     assert r.hlen(worker.fetch.inflight_key) == 0
 
 
-@pytest.mark.timeout(15)
-def test_async_jobs_of_two_processor_threads_share_the_loop_and_overlap(client, r, redis_url, fresh_loop):
-    manager = Manager(lambda: forkq.client.connect(redis_url), "test:1:async000000b",
-                      QueueOrder([(QUEUE, 0)]), concurrency=2)
+def run_two(redis_url: str, identity: str) -> list:
+    """Claim two jobs and run them at once in two processor threads; what each returned."""
+    manager = Manager(lambda: forkq.client.connect(redis_url), identity, QueueOrder([(QUEUE, 0)]),
+                      concurrency=2)
     manager.fetch.register()
     try:
-        meet.enqueue("a", "b")
-        meet.enqueue("b", "a")
         units = manager.fetch.fetch(2)
         assert len(units) == 2
         acked: list = []
         threads = [threading.Thread(target=lambda p, u: acked.append(p.process(u)), args=(p, u))
                    for p, u in zip(manager.processors, units)]
-        started = time.monotonic()
         for t in threads:
             t.start()
         for t in threads:
             t.join(10)
-        assert acked == [True, True], retries(r)  # a failure is False: wait_for timed out
-        assert time.monotonic() - started < 4
-        assert sorted(s["tag"] for s in seen) == ["a", "b"]
-        assert {s["thread"] for s in seen} == {"forkq-asyncio"}
-        assert len({s["loop"] for s in seen}) == 1
+        return acked
     finally:
         manager.fetch.close()
+
+
+@pytest.mark.timeout(15)
+def test_async_jobs_of_two_processor_threads_share_the_loop_and_overlap(client, r, redis_url, fresh_loop):
+    meet.enqueue("a", "b")
+    meet.enqueue("b", "a")
+    started = time.monotonic()
+    acked = run_two(redis_url, "test:1:async000000b")
+    assert acked == [True, True], retries(r)  # a failure is False: wait_for timed out
+    assert time.monotonic() - started < 4
+    assert sorted(s["tag"] for s in seen) == ["a", "b"]
+    assert {s["thread"] for s in seen} == {"forkq-asyncio"}
+    assert len({s["loop"] for s in seen}) == 1
+
+
+@pytest.mark.timeout(15)
+def test_interleaved_async_jobs_each_release_their_own_limiter_lease(client, r, redis_url, fresh_loop):
+    # both `with pool:` blocks run in the loop's one thread: a per-thread stack of leases
+    # made "a"'s exit release "b"'s lease, and the limiter admit a third holder meanwhile
+    hold.enqueue("a", "b")
+    hold.enqueue("b", "a")
+    assert run_two(redis_url, "test:1:async000000c") == [True, True], retries(r)
+    assert {"b_still_held": True} in seen
+    assert r.zcard(pool.key) == 0  # both given back
 
 
 @pytest.mark.timeout(10)
