@@ -10,7 +10,7 @@ The coroutine runs in a copy of the processor thread's context (contextvars): st
 bound fields, an open batch, and forkq.current_job() (kept for it in _TASK_JOB, since the
 processor's own record of its job is a thread-local) are what a sync job sees.
 
-Imported only once an async job is registered: an app without one never loads asyncio.
+Imported only once an async job is registered.
 """
 
 from __future__ import annotations

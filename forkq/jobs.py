@@ -144,7 +144,7 @@ class Job:
         # a run tests nothing: a sync job's path is what it was.
         self.is_async = inspect.iscoroutinefunction(fn)
         if self.is_async:
-            from . import aio  # only for an app with async jobs: asyncio is not imported else
+            from . import aio  # loaded only by an app with async jobs
             self.fn = aio.runner(fn, limited=time_limit is not None)
         # (fewest, most) positional args the function takes, most None for *args; None when
         # its signature cannot be read: a push that could only fail when run is refused
