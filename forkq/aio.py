@@ -79,7 +79,16 @@ def _start() -> None:
 def _serve(new: asyncio.AbstractEventLoop) -> None:
     asyncio.set_event_loop(new)
     try:
-        new.run_forever()
+        while True:
+            try:
+                new.run_forever()
+                return  # stopped by shutdown()
+            except (SystemExit, KeyboardInterrupt):
+                # raised by a job's coroutine: asyncio has made it that task's outcome
+                # (its processor thread fails the job with it, as a sync job's), then
+                # lets it out of the loop, which would end this thread and leave every
+                # async job after it waiting for good
+                continue
     finally:
         if not new.is_running():
             new.close()
@@ -156,7 +165,10 @@ def run(coro: Coroutine[Any, Any, Any], limited: bool = False) -> Any:
     except BaseException as exc:
         # a time limit (or a test's Ctrl-C) landed while the coroutine ran: cancel it and
         # let it finish cancelling, as a sync job's finally blocks would run
-        target.call_soon_threadsafe(job.cancel)
+        try:
+            target.call_soon_threadsafe(job.cancel)
+        except RuntimeError:  # the loop is closed: nothing runs there any more
+            raise exc from None
         _await_cancelled(job, exc)
         raise
     task = job.task

@@ -16,7 +16,7 @@ import pytest
 import structlog
 
 import forkq
-from forkq import aio, hooks, limiter, testing, timelimit
+from forkq import aio, hooks, limiter, logs, testing, timelimit
 from forkq.manager import Manager
 from forkq.queues import QueueOrder
 from corekit import hand_driven_fixture, run_one
@@ -36,6 +36,7 @@ async def compute(a, b):
     job = forkq.current_job()
     seen.append({"jid": job and job["jid"], "thread": threading.current_thread().name,
                  "bound": structlog.contextvars.get_contextvars(),
+                 "fields": logs._add_job(None, "info", {}),  # what a line logged here carries
                  "loop": id(asyncio.get_running_loop())})
     return a + b
 
@@ -44,6 +45,12 @@ async def compute(a, b):
 async def fails(why):
     await asyncio.sleep(0)
     raise ValueError(why)
+
+
+@forkq.job(name="aio.exits", queue=QUEUE, retry=3)
+async def exits():
+    await asyncio.sleep(0)
+    raise SystemExit(3)
 
 
 @forkq.job(name="aio.meet", queue=QUEUE)
@@ -154,6 +161,7 @@ def test_an_async_job_runs_on_the_loop_in_its_jobs_context_and_keeps_its_result(
     assert run["jid"] == jid  # forkq.current_job() inside the coroutine
     assert run["thread"] == "forkq-asyncio"
     assert run["bound"] == {"tenant": "acme"}
+    assert run["fields"] == {"jid": jid, "class": "aio.compute", "queue": QUEUE}
     assert forkq.result(jid) == 5
     worker.fetch.fetch(0)  # the claim that carries the ack
     assert r.hlen(worker.fetch.inflight_key) == 0 and not retries(r)
@@ -191,6 +199,19 @@ def run_two(redis_url: str, identity: str) -> list:
         return acked
     finally:
         manager.fetch.close()
+
+
+@pytest.mark.timeout(10)
+def test_a_coroutines_system_exit_fails_its_job_and_the_loop_goes_on(client, r, worker, fresh_loop):
+    # asyncio lets SystemExit and KeyboardInterrupt out of the loop: its thread ended, and
+    # every async job after it waited for good
+    jid = exits.enqueue()
+    run_one(worker)
+    (entry,) = retries(r)
+    assert entry["jid"] == jid and entry["error_class"] == "SystemExit"
+    compute.enqueue(1, 2)
+    run_one(worker)
+    assert len(seen) == 1
 
 
 @pytest.mark.timeout(15)
