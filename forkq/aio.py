@@ -8,7 +8,8 @@ async job hands its coroutine to the loop and waits for it, so async jobs run at
 
 The coroutine runs in a copy of the processor thread's context (contextvars): structlog's
 bound fields, an open batch, and forkq.current_job() (kept for it in _TASK_JOB, since the
-processor's own record of its job is a thread-local) are what a sync job sees.
+processor's own record of its job is a thread-local) are what a sync job sees. A task
+the job started and left running is in no job once the job ended, as a thread would be.
 
 Imported only once an async job is registered.
 """
@@ -151,29 +152,33 @@ def run(coro: Coroutine[Any, Any, Any], limited: bool = False) -> Any:
             "jobs.drain() outside the loop, or await the job's function directly")
     target = loop()
     ctx = contextvars.copy_context()
-    ctx.run(_TASK_JOB.set, getattr(logs._job, "current", None))
+    running = [getattr(logs._job, "current", None)]
+    ctx.run(_TASK_JOB.set, running)
     job = _Run(coro)
     try:
-        # from here an interruption always reaches job.cancel, after job.start if that
-        # was queued: the loop runs callbacks in order
-        target.call_soon_threadsafe(job.start, context=ctx)
-        if limited:
-            while not job.done.acquire(timeout=POLL_S):
-                pass
-        else:
-            job.done.acquire()
-    except BaseException as exc:
-        # a time limit (or a test's Ctrl-C) landed while the coroutine ran: cancel it and
-        # let it finish cancelling, as a sync job's finally blocks would run
         try:
-            target.call_soon_threadsafe(job.cancel)
-        except RuntimeError:  # the loop is closed: nothing runs there any more
-            raise exc from None
-        _await_cancelled(job, exc)
-        raise
-    task = job.task
-    assert task is not None
-    return task.result()
+            # from here an interruption always reaches job.cancel, after job.start if that
+            # was queued: the loop runs callbacks in order
+            target.call_soon_threadsafe(job.start, context=ctx)
+            if limited:
+                while not job.done.acquire(timeout=POLL_S):
+                    pass
+            else:
+                job.done.acquire()
+        except BaseException as exc:
+            # a time limit (or a test's Ctrl-C) landed while the coroutine ran: cancel it
+            # and let it finish cancelling, as a sync job's finally blocks would run
+            try:
+                target.call_soon_threadsafe(job.cancel)
+            except RuntimeError:  # the loop is closed: nothing runs there any more
+                raise exc from None
+            _await_cancelled(job, exc)
+            raise
+        task = job.task
+        assert task is not None
+        return task.result()
+    finally:
+        running[0] = None  # a task the job left running is in no job from now on
 
 
 def _await_cancelled(job: _Run, exc: BaseException) -> None:

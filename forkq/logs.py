@@ -32,11 +32,14 @@ def _add_process(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, A
 
 
 _job = threading.local()
-# An async job's (jid, class, queue, payload), set in the context its coroutine runs in
+# An async job's [(jid, class, queue, payload)], set in the context its coroutine runs in
 # (forkq.aio): many coroutines share the loop's thread, so its thread-local cannot say
 # which job a line comes from. Read only where the thread-local has no job: a sync job's
-# lines and current_job() pay nothing for it.
-TASK_JOB: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("forkq_job", default=None)
+# lines and current_job() pay nothing for it. A list, emptied ([None]) once the job ended:
+# a task it started and left running inherited the context, and is in no job after it
+# (as a thread a sync job starts): current_batch() there would join a counted batch.
+TASK_JOB: contextvars.ContextVar[list | None] = contextvars.ContextVar("forkq_job", default=None)
+_NO_TASK = (None,)
 
 
 def set_job(jid: Any, name: str, queue: str, job: dict[str, Any] | None = None) -> None:
@@ -56,14 +59,14 @@ def clear_job() -> None:
 def current_job() -> dict[str, Any] | None:
     """The payload of the job this thread is running (jid, args, retry_count once it
     failed before...), as the processor and server middleware see it; None outside a job.
-    In an async job's coroutine (and the tasks it starts), that job's."""
-    current = getattr(_job, "current", None) or TASK_JOB.get()
+    In an async job's coroutine (and the tasks it starts, until the job ended), that job's."""
+    current = getattr(_job, "current", None) or (TASK_JOB.get() or _NO_TASK)[0]
     return current[3] if current is not None else None
 
 
 def _add_job(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
     # a thread-local read, not structlog's contextvars: this runs for every job
-    current = getattr(_job, "current", None) or TASK_JOB.get()
+    current = getattr(_job, "current", None) or (TASK_JOB.get() or _NO_TASK)[0]
     if current is not None:
         event.setdefault("jid", current[0])
         event.setdefault("class", current[1])
@@ -260,7 +263,8 @@ class JobFields(logging.Filter):
     "%(jid)s %(message)s". Attributes the record already has (from `extra=`) are kept."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        current = getattr(_job, "current", None) or TASK_JOB.get() or (None, None, None)
+        current = (getattr(_job, "current", None) or (TASK_JOB.get() or _NO_TASK)[0]
+                   or (None, None, None))
         for name, value in zip(("jid", "class", "queue"), current):
             if name not in record.__dict__:
                 record.__dict__[name] = value

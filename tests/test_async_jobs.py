@@ -92,6 +92,21 @@ async def leaves_a_task():
     leaves_a_task.left = asyncio.get_running_loop().create_task(background())
 
 
+@forkq.job(name="aio.spawns", queue=QUEUE)
+async def spawns():
+    events["go"] = asyncio.Event()
+
+    async def outlives_its_job():
+        seen.append({"when": "during", "job": forkq.current_job() is not None,
+                     "batch": forkq.current_batch() is not None})
+        await events["go"].wait()  # set by the test once the job was acknowledged
+        batch = forkq.current_batch()
+        seen.append({"when": "after", "job": forkq.current_job(), "batch": batch,
+                     "fields": logs._add_job(None, "info", {})})
+    spawns.left = asyncio.get_running_loop().create_task(outlives_its_job())
+    await asyncio.sleep(0)  # the task has started, inside the job
+
+
 pool = limiter.concurrent("aio-pool", 2, wait_timeout=1)
 
 
@@ -272,6 +287,21 @@ def test_a_coroutine_that_swallows_its_cancellation_is_given_up(client, r, worke
     compute.enqueue(1, 2)
     run_one(worker)
     assert len(seen) == 1
+
+
+@pytest.mark.timeout(10)
+def test_a_task_that_outlives_its_job_is_in_no_job_once_it_ended(client, r, worker, fresh_loop):
+    # as a thread a sync job starts: after the job, current_batch() reopening the batch of
+    # a job already counted would add jobs to a batch whose success may have fired
+    with forkq.Batch() as b:
+        spawns.enqueue()
+    run_one(worker)
+    worker.fetch.fetch(0)  # the claim that carries the ack, and the batch's count
+    assert forkq.batch_status(b.bid).success  # counted: its success has fired
+    aio.loop().call_soon_threadsafe(events["go"].set)
+    wait_until(lambda: len(seen) == 2, timeout=5, message=f"the task's record: {seen}")
+    assert seen[0] == {"when": "during", "job": True, "batch": True}
+    assert seen[1] == {"when": "after", "job": None, "batch": None, "fields": {}}
 
 
 @pytest.mark.timeout(10)
