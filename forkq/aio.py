@@ -131,11 +131,14 @@ class _Run:
 
 def runner(fn: Callable[..., Coroutine[Any, Any, Any]], limited: bool) -> Callable[..., Any]:
     """What a worker calls for the async def `fn`: a plain function that runs its
-    coroutine on this process's loop and returns its result or raises its exception."""
+    coroutine on this process's loop and returns its result or raises its exception.
+    `fn` may be a decorator's plain wrapper around an async def: what it returns is the
+    result when it is no coroutine (a wrapper that ran the coroutine itself)."""
 
     @functools.wraps(fn)
     def run_async(*args: Any, **kwargs: Any) -> Any:
-        return run(fn(*args, **kwargs), limited)
+        coro = fn(*args, **kwargs)
+        return run(coro, limited) if asyncio.iscoroutine(coro) else coro
 
     run_async.__wrapped__ = fn  # type: ignore[attr-defined]
     return run_async

@@ -142,7 +142,7 @@ class Job:
         # fn is what a worker (and forkq.testing) calls: for an async def, a plain function
         # that runs its coroutine on the process's event loop (forkq.aio). Decided here, so
         # a run tests nothing: a sync job's path is what it was.
-        self.is_async = inspect.iscoroutinefunction(fn)
+        self.is_async = inspect.iscoroutinefunction(fn) or _wraps_async(fn)
         if self.is_async:
             from . import aio  # loaded only by an app with async jobs
             self.fn = aio.runner(fn, limited=time_limit is not None)
@@ -294,6 +294,18 @@ def _check_time_limit(limit: Any) -> float | None:
     if type(limit) in (int, float) and 0 < limit <= 1e9:
         return float(limit)
     raise ValueError(f"time_limit must be a number of seconds above 0 (at most 1e9), or None, not {limit!r}")
+
+
+def _wraps_async(fn: Callable[..., Any]) -> bool:
+    """True for a plain function that a decorator wrapped around an async def (its
+    __wrapped__, as functools.wraps sets): calling it most likely returns the coroutine,
+    which a sync job's run would take for the job's result, its body never run."""
+    if getattr(fn, "__wrapped__", None) is None:
+        return False
+    try:
+        return inspect.iscoroutinefunction(inspect.unwrap(fn))
+    except ValueError:  # a __wrapped__ chain that loops
+        return False
 
 
 def _check_runnable(f: Callable[..., Any], name: str) -> None:

@@ -7,6 +7,7 @@ runs them in the children of a real `forkq start` master."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import signal
 import threading
@@ -105,6 +106,30 @@ async def spawns():
                      "fields": logs._add_job(None, "info", {})})
     spawns.left = asyncio.get_running_loop().create_task(outlives_its_job())
     await asyncio.sleep(0)  # the task has started, inside the job
+
+
+def traced(f):
+    """A decorator as apps write them: a plain function that returns f's outcome."""
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        return f(*args, **kwargs)
+    return wrapper
+
+
+@forkq.job(name="aio.decorated", queue=QUEUE, keep_result=60)
+@traced
+async def decorated(a, *, b):
+    await asyncio.sleep(0)
+    cleaned.append("ran")
+    return a + b
+
+
+@forkq.job(name="aio.made_sync", queue=QUEUE, keep_result=60)
+@functools.wraps(decorated.__wrapped__.__wrapped__)
+def made_sync(a, *, b):
+    # the other kind: a decorator that runs the coroutine itself, as apps did before
+    # forkq ran async def jobs
+    return asyncio.run(decorated.__wrapped__.__wrapped__(a, b=b))
 
 
 pool = limiter.concurrent("aio-pool", 2, wait_timeout=1)
@@ -287,6 +312,20 @@ def test_a_coroutine_that_swallows_its_cancellation_is_given_up(client, r, worke
     compute.enqueue(1, 2)
     run_one(worker)
     assert len(seen) == 1
+
+
+@pytest.mark.timeout(10)
+def test_an_async_def_under_a_plain_decorator_is_run_as_an_async_job(client, r, worker, fresh_loop):
+    # the decorator's wrapper is a plain function returning the coroutine: called as a
+    # sync job's function, the job was logged done and acknowledged, its body never run
+    jid = decorated.enqueue(2, b=3)
+    run_one(worker)
+    assert cleaned == ["ran"], retries(r)
+    assert forkq.result(jid) == 5
+    # one whose wrapper runs the coroutine itself still returns what it returned
+    jid = made_sync.enqueue(1, b=1)
+    run_one(worker)
+    assert cleaned == ["ran", "ran"] and forkq.result(jid) == 2
 
 
 @pytest.mark.timeout(10)
