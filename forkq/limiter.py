@@ -204,6 +204,16 @@ class Lease:
 _FREE = Lease(None, "")
 
 
+# The leases taken by `with limiter:` blocks of concurrent limiters, as (limiter, lease),
+# innermost last, in this thread or asyncio task: async jobs' coroutines share one thread,
+# and interleave at each await. A tuple replaced at each change, so a task started inside a
+# `with` cannot take the lease of the task that started it. One variable for all limiters:
+# a context keeps every variable ever set in it, and a processor thread's lasts as long as
+# the thread, so one per limiter grew it by one for each limiter a job made on the fly.
+_HELD: contextvars.ContextVar[tuple[tuple["Concurrent", Lease], ...]] = contextvars.ContextVar(
+    "forkq_limiter_held", default=())
+
+
 class Concurrent(_Limiter):
     """At most `size` holders at once across everyone sharing the Redis."""
 
@@ -215,12 +225,6 @@ class Concurrent(_Limiter):
         self.lock_timeout = _check_seconds("lock_timeout", lock_timeout, zero=False)
         super().__init__(name, wait_timeout, client)
         self._lease_ms = max(1, round(self.lock_timeout * 1000))
-        # the leases taken by `with limiter:`, innermost last, in this thread or asyncio
-        # task: async jobs' coroutines share one thread, and interleave at each await. A
-        # tuple replaced at each change, so a task started inside a `with` cannot pop the
-        # lease of the task that started it.
-        self._held: contextvars.ContextVar[tuple[Lease, ...]] = contextvars.ContextVar(
-            f"forkq_limiter_{name}", default=())
 
     def describe(self) -> str:
         return f"concurrent, size {self.size}, lock_timeout {self.lock_timeout:g} s"
@@ -259,16 +263,19 @@ class Concurrent(_Limiter):
     def __enter__(self) -> Lease:
         lease = self.acquire()
         try:
-            self._held.set(self._held.get() + (lease,))
+            _HELD.set(_HELD.get() + ((self, lease),))
         except BaseException:  # interrupted here, __exit__ would never give it back
             lease.release()
             raise
         return lease
 
     def __exit__(self, *exc: Any) -> None:
-        held = self._held.get()
-        self._held.set(held[:-1])
-        held[-1].release()
+        held = _HELD.get()
+        i = len(held) - 1
+        while held[i][0] is not self:  # this limiter's innermost: others' may be inside it
+            i -= 1
+        _HELD.set(held[:i] + held[i + 1:])
+        held[i][1].release()
 
 
 class _Counting(_Limiter):

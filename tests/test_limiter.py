@@ -7,6 +7,7 @@ well under a second. One test runs a real master with two children.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import math
 import os
@@ -212,6 +213,33 @@ def test_testing_modes_admit_everyone_without_redis():
             with one, one, window:
                 window.acquire()
                 one.acquire().release()
+
+
+def test_limiters_made_on_the_fly_leave_nothing_in_a_threads_context(client, r):
+    # a processor thread's context lasts as long as the thread, and keeps every variable
+    # ever set in it: one variable per limiter grew it by one for each limiter a job made
+    grown: list = []
+
+    def work():
+        before = len(contextvars.copy_context())
+        for i in range(3):
+            outer = limiter.concurrent(f"fly-{i}", 1, wait_timeout=0, client=client)
+            inner = limiter.concurrent(f"fly-in-{i}", 1, wait_timeout=0, client=client)
+            with outer:
+                with inner, limiter.concurrent("fly-other", 1, client=client):
+                    pass
+                assert r.zcard(inner.key) == 0 and r.zcard(outer.key) == 1  # each its own
+            assert r.zcard(outer.key) == 0
+        with testing.fake():
+            for i in range(200):
+                with limiter.concurrent(f"fly-fake-{i}", 1):
+                    pass
+        grown.append(len(contextvars.copy_context()) - before)
+
+    thread = threading.Thread(target=work)  # a thread starts with an empty context
+    thread.start()
+    thread.join(10)
+    assert grown and grown[0] <= 1, grown
 
 
 # -- the worker's side ----------------------------------------------------------------------
