@@ -51,8 +51,25 @@ def _forget_after_fork() -> None:
     global _lock, _loop, _thread
     if _loop is not None:
         _stale.append(_loop)
+        if threading.current_thread() is _thread:
+            _end_copy(_loop)
     _lock = threading.Lock()  # a thread of the parent may have held it at the fork
     _loop = _thread = None
+
+
+def _end_copy(copied: asyncio.AbstractEventLoop) -> None:
+    """Job code forked in a coroutine: this copy of the worker has only the loop's thread,
+    which would run on for good (and run other jobs' coroutines a second time). It ends
+    as soon as the coroutine gives the loop control back, before any other callback, as a
+    copy forked by a sync job ends with its job; a copy that exits by itself never gets
+    there. (Asyncio no longer works here anyway: it refuses a loop of another process.)"""
+    from .processor import _leave_copy
+    ready = getattr(copied, "_ready", None)  # the loop's run queue (a deque in CPython)
+    handle = asyncio.Handle(_leave_copy, (None,), copied)
+    if ready is not None:
+        ready.appendleft(handle)
+    else:
+        copied.call_soon(_leave_copy, None)
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import signal
 import threading
 import time
@@ -130,6 +131,15 @@ def made_sync(a, *, b):
     # the other kind: a decorator that runs the coroutine itself, as apps did before
     # forkq ran async def jobs
     return asyncio.run(decorated.__wrapped__.__wrapped__(a, b=b))
+
+
+@forkq.job(name="aio.forks", keep_result=60)
+async def forks(fd):
+    pid = os.fork()  # job code that forks, and lets the copy carry on
+    os.write(fd, b"copy-forked\n" if pid == 0 else b"")
+    await asyncio.sleep(0)
+    os.write(fd, b"copy-went-on\n" if pid == 0 else b"")
+    return pid
 
 
 pool = limiter.concurrent("aio-pool", 2, wait_timeout=1)
@@ -341,6 +351,31 @@ def test_a_task_that_outlives_its_job_is_in_no_job_once_it_ended(client, r, work
     wait_until(lambda: len(seen) == 2, timeout=5, message=f"the task's record: {seen}")
     assert seen[0] == {"when": "during", "job": True, "batch": True}
     assert seen[1] == {"when": "after", "job": None, "batch": None, "fields": {}}
+
+
+@pytest.mark.timeout(10)
+def test_a_copy_forked_in_a_coroutine_ends_when_it_gives_the_loop_control(client, fresh_loop):
+    # as a copy forked by a sync job ends with the job (processor.guard_forks): this one
+    # has only the loop's thread, which ran on for good, a stray copy of the worker
+    read, write = os.pipe()
+    copy = reaped = None
+    try:
+        with testing.inline():
+            copy = forkq.result(forks.enqueue(write))
+            assert compute.enqueue(1, 1)  # the worker's loop serves on
+        os.close(write)
+        write = None
+        reaped = wait_until(lambda: (w := os.waitpid(copy, os.WNOHANG))[0] and w, timeout=3,
+                            message="the copy to end")
+        assert os.waitstatus_to_exitcode(reaped[1]) == 0
+        assert os.read(read, 100) == b"copy-forked\n"  # what it ran before giving control back
+    finally:
+        if copy and not reaped:  # never leave it running
+            os.kill(copy, signal.SIGKILL)
+            os.waitpid(copy, 0)
+        os.close(read)
+        if write is not None:
+            os.close(write)
 
 
 @pytest.mark.timeout(10)
