@@ -413,8 +413,7 @@ def recent(r: "redis.Redis", limit: int = 100,
     `states` (of STATES) if given. Reads the index (keys.BATCHES) a page at a time and each
     page's batches in one pipelined round trip; an entry whose batch has expired is dropped
     from the index as it is read. A batch opened more than keys.BATCHES_MAX batches ago is
-    not listed, nor is one that outlived its opening by 30 days and was pruned meanwhile,
-    though `forkq batch BID` still reads it."""
+    not listed, though `forkq batch BID` still reads it."""
     wanted = None if states is None else set(states)
     if wanted is not None and not wanted <= set(STATES):
         raise ValueError(f"unknown batch state(s) {sorted(wanted - set(STATES))}: "
