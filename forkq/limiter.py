@@ -19,6 +19,7 @@ drift, and a lease or a window measured by two clocks would admit too many.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import random
 import secrets
@@ -120,8 +121,23 @@ class _Limiter:
 
     def _wait(self, attempt: Any) -> None:
         """Call attempt() -> (admitted, hint ms or None) until admitted, or raise OverLimit
-        once wait_timeout has passed. A hint is when the limiter can next admit at the
-        earliest: a window's oldest entry leaves then, and nothing frees it sooner."""
+        once wait_timeout has passed, sleeping between attempts."""
+        for nap in self._naps(attempt):
+            _sleep(nap)
+
+    async def _await(self, attempt: Any) -> None:
+        """_wait for a coroutine (`async with limiter:`): each nap awaited, so the other
+        async jobs of the process's loop run meanwhile. An attempt itself is one Redis call,
+        a round trip the loop waits for, as it waits for any sync call."""
+        import asyncio
+        for nap in self._naps(attempt):
+            await asyncio.sleep(nap)
+
+    def _naps(self, attempt: Any) -> Any:
+        """The attempts, each made as the previous nap it yielded ends: returns once one
+        admitted, raises OverLimit once wait_timeout has passed. A hint is when the
+        limiter can next admit at the earliest: a window's oldest entry leaves then, and
+        nothing frees it sooner."""
         admitted, hint = attempt()
         if admitted:
             return
@@ -139,7 +155,7 @@ class _Limiter:
             nap = random.uniform(pause / 2, pause)
             if hint is not None:
                 nap += hint / 1000  # come back once there is room, spread by the nap
-            _sleep(min(nap, left))
+            yield min(nap, left)
             pause = min(pause * 2, MAX_PAUSE_S)
             admitted, hint = attempt()
             if admitted:
@@ -235,15 +251,31 @@ class Concurrent(_Limiter):
         if _client.test_push is not None:
             return _FREE  # forkq.testing's fake() or inline(): no Redis, everyone admitted
         token = secrets.token_hex(8)
-        try:
+        with self._given_back(token):
             self._wait(lambda: self._attempt(token))
             return Lease(self, token)
+
+    async def acquire_async(self) -> Lease:
+        """acquire() for a coroutine: the wait for a slot is awaited, so the process's other
+        async jobs run meanwhile (a blocking wait would stall every one of them)."""
+        if _client.test_push is not None:
+            return _FREE
+        token = secrets.token_hex(8)
+        with self._given_back(token):
+            await self._await(lambda: self._attempt(token))
+            return Lease(self, token)
+
+    @contextlib.contextmanager
+    def _given_back(self, token: str) -> Any:
+        """Around an admission: interrupted (a time limit's exception or a task's
+        cancellation, Ctrl-C: delivered as the script's reply comes in) or cut off after
+        Redis may have admitted the token, give it back now, or the slot stays taken until
+        lock_timeout, by nobody. OverLimit means it never was admitted."""
+        try:
+            yield
         except OverLimit:
-            raise  # never admitted: nothing to give back
+            raise
         except BaseException:
-            # Interrupted (a time limit's exception, Ctrl-C: delivered as the script's
-            # reply comes in) or cut off, after Redis may have admitted the token: give it
-            # back now, or the slot stays taken until lock_timeout, by nobody
             self._give_back(token)
             raise
 
@@ -261,13 +293,21 @@ class Concurrent(_Limiter):
         return reply[0] == 1, None
 
     def __enter__(self) -> Lease:
-        lease = self.acquire()
+        return self._hold(self.acquire())
+
+    async def __aenter__(self) -> Lease:
+        return self._hold(await self.acquire_async())
+
+    def _hold(self, lease: Lease) -> Lease:
         try:
             _HELD.set(_HELD.get() + ((self, lease),))
         except BaseException:  # interrupted here, __exit__ would never give it back
             lease.release()
             raise
         return lease
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.__exit__()
 
     def __exit__(self, *exc: Any) -> None:
         held = _HELD.get()
@@ -308,10 +348,24 @@ class _Counting(_Limiter):
                                            client=conn)
         return (True, None) if reply[0] == 1 else (False, int(reply[2]))
 
+    async def acquire_async(self) -> None:
+        """acquire() for a coroutine: the wait for room is awaited, so the process's other
+        async jobs run meanwhile."""
+        if _client.test_push is not None:
+            return
+        token = secrets.token_hex(8)
+        await self._await(lambda: self._attempt(token))
+
     def __enter__(self) -> None:
         self.acquire()
 
     def __exit__(self, *exc: Any) -> None:
+        pass
+
+    async def __aenter__(self) -> None:
+        await self.acquire_async()
+
+    async def __aexit__(self, *exc: Any) -> None:
         pass
 
 

@@ -470,3 +470,62 @@ def test_an_interruption_as_the_admission_comes_in_gives_the_slot_back(redis_ser
         holder.close()
     assert [type(e) for e in caught] == [TimeLimitExceeded]
     assert r.zcard(keys.limiter("interrupted", "concurrent")) == 0
+
+
+def test_async_with_waits_without_stalling_the_loop(client, r):
+    """`async with limiter:` in coroutines sharing one loop (as async jobs do): a waiter
+    for a full limiter awaits its naps, so a ticker on the same loop goes on running; the
+    slot goes to it once freed; a cancelled waiter leaves no lease behind."""
+    import asyncio
+    lim = limiter.concurrent("aw", 1, wait_timeout=3, client=client)
+    win = limiter.window("aw", 1, 0.4, wait_timeout=3, client=client)
+
+    async def main() -> tuple[int, list, int]:
+        ticks = 0
+        order: list = []
+        release = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        async def holder() -> None:
+            async with lim:
+                order.append("a in")
+                await release.wait()
+            order.append("a out")
+
+        async def waiter() -> None:
+            async with lim:
+                order.append("b in")
+
+        tick = asyncio.create_task(ticker())
+        a = asyncio.create_task(holder())
+        await asyncio.sleep(0.05)
+        b = asyncio.create_task(waiter())
+        await asyncio.sleep(0.3)  # b waits for the slot meanwhile
+        waited = ticks
+        release.set()
+        await asyncio.gather(a, b)
+        # a waiter cancelled mid-wait (a time limit cancels its job's task) takes nothing
+        async with lim:
+            c = asyncio.create_task(waiter())
+            await asyncio.sleep(0.05)
+            c.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await c
+        async with win:
+            pass
+        started = time.monotonic()
+        async with win:  # the window's room comes back after its interval, awaited
+            order.append(time.monotonic() - started)
+        tick.cancel()
+        return waited, order, ticks
+
+    waited, order, ticks = asyncio.run(main())
+    assert waited >= 10  # the ticker ran while b waited (a blocked loop: 0 or 1 ticks)
+    assert order[:3] == ["a in", "a out", "b in"]
+    assert 0.25 <= order[3] <= 0.9  # the window's 0.4 s, less the time since its first entry
+    assert r.zcard(keys.limiter("aw", "concurrent")) == 0
