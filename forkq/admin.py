@@ -127,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     """Run one admin command; a Redis failure is one line naming the (masked) URL."""
     import redis
     from . import api, client
+    from .errors import RedisUnavailable
     try:
         url = client.redis_url(config.redis_url_for_tools(args.redis_url, args.config))
         if args.command == "cron":
@@ -151,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
                        "batches": _batches}[args.command](conn, args)
     except redis_errors() as exc:
         sys.stderr.write(f"forkq: {client.unreachable(client.mask_url(url), exc, url)}\n")
+        return 1
+    except RedisUnavailable as exc:  # push's Client: its message says whether it was pushed
+        sys.stderr.write(f"forkq: {exc}\n")
         return 1
     except redis.RedisError as exc:
         sys.stderr.write(f"forkq: Redis at {client.mask_url(url)} answered with an error: "
@@ -371,6 +375,8 @@ def _push_plan(args: argparse.Namespace) -> None:
         keywords = None if args.kwargs is None else json.loads(args.kwargs)
     except ValueError as exc:
         raise ConfigError(f"push: --args and --kwargs take JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError("push: --args or --kwargs is nested too deep") from None
     if not isinstance(values, list):
         raise ConfigError(f"push: --args must be a JSON array, not {type(values).__name__}")
     if keywords is not None and not isinstance(keywords, dict):
@@ -381,6 +387,13 @@ def _push_plan(args: argparse.Namespace) -> None:
             payload.check_kwargs(keywords)
     except TypeError as exc:  # NaN or Infinity, which Python's json reads
         raise ConfigError(f"push: {exc}") from None
+    except RecursionError:  # the check recurses; so would the push's encoding
+        raise ConfigError("push: --args or --kwargs is nested too deep") from None
+    try:  # a lone surrogate (\ud800) reads as JSON but no payload can be written with it
+        json.dumps([values, keywords], ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise ConfigError("push: --args or --kwargs holds a lone surrogate escape, which is "
+                          "no UTF-8 text") from None
     args.values, args.keywords = values, keywords or {}
     when, args.at = args.at, None
     if args.delay is not None:
@@ -403,6 +416,11 @@ def _push_plan(args: argparse.Namespace) -> None:
         if not math.isfinite(at):
             raise ConfigError(f"push: --at {when!r} is not a time")
         args.at = at
+    if args.at is not None:
+        try:  # what the output prints it with, checked before anything is pushed
+            time.localtime(args.at)
+        except (OverflowError, OSError, ValueError):
+            raise ConfigError("push: --at or --in is out of range for a time") from None
     args.job = None
     modules = config.require_for_tools(args.require, args.config)
     if modules:

@@ -370,3 +370,33 @@ def test_push_pushes_by_name_or_through_the_app_and_refuses_bad_input_in_one_lin
     at = run("push", "app.Report", "--at", "2030-01-01T00:00:00Z", url=redis_url)
     assert at.returncode == 0, at.stderr
     assert 1893456000.0 in [s for _, s in r.zrange("schedule", 0, -1, withscores=True)]
+
+
+@pytest.mark.timeout(30)
+def test_push_with_redis_down_is_one_line_and_exit_1(capsys):
+    from forkq import cli
+    import socket
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert cli.main(["push", "app.Report", "--redis-url", f"redis://127.0.0.1:{port}/0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("forkq: ") and err.count("\n") == 1 and "not pushed" in err, err
+
+
+@pytest.mark.timeout(30)
+def test_push_refuses_a_time_out_of_range_and_unencodable_or_too_deep_args_before_redis(
+        r, redis_url, capsys):
+    from forkq import cli
+    for argv, says in [
+        (["--at", "1e300"], "--at"),
+        (["--in", "1e300"], "--in"),
+        (["--args", '["\\ud800"]'], "UTF-8"),
+        (["--args", "[" * 5000 + "]" * 5000], "deep"),
+        (["--args", "[" * 500 + "]" * 500], "deep"),
+        (["--kwargs", '{"a": ' + "[" * 500 + "]" * 500 + "}"], "deep"),
+    ]:
+        assert cli.main(["push", "app.Report", *argv, "--redis-url", redis_url]) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, (argv[0], err[:300])
+    assert r.llen("queue:default") == 0 and r.zcard("schedule") == 0
