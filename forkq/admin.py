@@ -428,6 +428,11 @@ def _push_plan(args: argparse.Namespace) -> None:
         from .cli import load_app
         load_app(modules)
         args.job = jobs.lookup(args.name)
+        if args.job is None:  # a worker looks a named job up by its name, never its path
+            for job in list(jobs.REGISTRY.values()):
+                if f"{job.fn.__module__}.{job.fn.__qualname__}" == args.name:
+                    raise ConfigError(f"push: the app declares {args.name} as job {job.name!r}: "
+                                      "push that name, which its workers run")
         if args.job is not None:
             try:
                 args.job.check_call(payload.check_args(values), args.keywords)

@@ -400,3 +400,15 @@ def test_push_refuses_a_time_out_of_range_and_unencodable_or_too_deep_args_befor
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1, (argv[0], err[:300])
     assert r.llen("queue:default") == 0 and r.zcard("schedule") == 0
+
+
+@pytest.mark.timeout(30)
+def test_push_refuses_a_function_path_the_app_declares_under_another_name(r, redis_url, capsys):
+    # no worker of the app looks a job up by its function's path once it has a name
+    from forkq import cli
+    app = str(REPO_ROOT / "tests" / "apps" / "core_jobs.py")
+    assert cli.main(["push", "tests.apps.core_jobs.named", "--require", app,
+                     "--redis-url", redis_url]) == 2
+    err = capsys.readouterr().err
+    assert "'CustomName'" in err and err.count("\n") == 1, err
+    assert r.llen("queue:default") == 0 and r.llen("queue:mail") == 0
