@@ -314,15 +314,19 @@ def _pause(conn, args) -> int:
     lines = [f"queue {name} {state}" if changed else f"queue {name} was already {state.replace('resumed', 'active')}"]
     late = pause.wait_honoured(conn, queue, args.wait, pausing) if args.wait else None
     working = [hb["identity"] for hb in pause.working(conn, queue)]
+    unaware = pause.blind(conn, queue) if pausing else []
+    # a process that never reads pauses honours none: counted there, not among these
+    aware = [ident for ident in working if ident not in unaware]
     if late is None:
-        lines.append(f"{len(working)} live processes work it; each honours this at its next heartbeat")
+        if aware or not unaware:
+            lines.append(f"{len(aware)} live processes work it; each honours this at its next heartbeat")
     elif not late:
-        lines.append(f"all {len(working)} live processes working it honour this"
-                     if working else "no live process works it; those that start honour this")
+        if aware or not unaware:
+            lines.append(f"all {len(aware)} live processes working it honour this"
+                         if aware else "no live process works it; those that start honour this")
     else:
         lines.append(f"{len(late)} of the live processes working it did not confirm within "
                      f"{args.wait} s (Redis slow to them, or stuck): {', '.join(map(_printable, late))}")
-    unaware = pause.blind(conn, queue) if pausing else []
     if unaware:
         lines.append(f"{len(unaware)} live processes working it never read forkq's pauses (Ruby "
                      f"Sidekiq, or an older forkq) and go on running its jobs: "

@@ -365,3 +365,17 @@ def test_pause_names_processes_that_never_read_pauses_and_exits_1(redis_url, r):
     assert done.returncode == 1 and ident in done.stdout and "never read" in done.stdout
     assert pause.laggards(r, "pa") == [] and pause.blind(r, "pa") == [ident]
     assert _cli(redis_url, "resume", "pa", "--wait", "5").returncode == 0
+
+
+def test_pause_does_not_count_a_process_that_never_reads_pauses_among_those_honouring_it(
+        redis_url, r, capsys):
+    from forkq import cli
+    ident = "rubyhost:4243:0123456789ab"
+    r.sadd(keys.PROCESSES, ident)
+    r.hset(ident, mapping={"info": json.dumps({"hostname": "rubyhost", "queues": ["pb"]}),
+                           "busy": 0, "beat": time.time(), "quiet": "false"})
+    for wait in ("1", "0"):
+        assert cli.main(["pause", "pb", "--wait", wait, "--redis-url", redis_url]) == 1
+        out = capsys.readouterr().out
+        assert "all 1" not in out and "1 live processes work it" not in out, out
+        assert "never read" in out and ident in out
