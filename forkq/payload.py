@@ -110,9 +110,20 @@ def check_args(args: Any) -> list:
     if type(args) is not list:
         raise TypeError(f"job args must be a list or tuple, not {type(args).__name__}")
     for i, v in enumerate(args):
-        if not _native(v):
+        try:
+            native = _native(v)
+        except RecursionError:
+            native = _too_deep(f"args[{i}]")
+        if not native:
             _refuse(v, f"args[{i}]")
     return args
+
+
+def _too_deep(path: str) -> bool:
+    # a value that holds itself (a list appended to itself), or is nested hundreds deep:
+    # JSON cannot carry the first, and the push's encoder would fail on the second
+    raise TypeError(f"job argument {path} is nested too deeply, or holds itself; forkq accepts "
+                    "only JSON-native values")
 
 
 def _refuse(value: Any, path: str) -> None:
@@ -132,7 +143,11 @@ def check_kwargs(kwargs: Any) -> dict[str, Any]:
         if type(name) is not str:
             raise TypeError(f"job keyword argument name {name!r} is not a str "
                             f"({type(name).__name__}); keyword argument names are str")
-        if not _native(v):
+        try:
+            native = _native(v)
+        except RecursionError:
+            native = _too_deep(f"kwargs[{name!r}]")
+        if not native:
             _refuse(v, f"kwargs[{name!r}]")
     return kwargs
 

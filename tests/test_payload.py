@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import forkq
 from forkq import payload
 from forkq.errors import MalformedPayload
 
@@ -215,3 +216,19 @@ def test_a_non_native_value_anywhere_is_refused(args, bad):
     nested = [{"k": [bad]}]
     with pytest.raises(TypeError):
         payload.check_args(args + nested)
+
+
+@pytest.mark.parametrize("make", ["self", "deep"])
+def test_an_argument_that_holds_itself_or_nests_too_deep_is_a_type_error(make, redis_url, r):
+    value: list = []
+    if make == "self":
+        value.append(value)
+    else:
+        for _ in range(5000):
+            value = [value]
+    client = forkq.Client(redis_url)
+    with pytest.raises(TypeError, match=r"args\[1\] is nested too deeply, or holds itself"):
+        client.push("app.Deep", [1, value])
+    with pytest.raises(TypeError, match=r"kwargs\['x'\] is nested too deeply"):
+        client.push("app.Deep", [], kwargs={"x": value})
+    assert r.llen("queue:default") == 0
