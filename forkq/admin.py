@@ -313,8 +313,10 @@ def _pause(conn, args) -> int:
     name = _printable(queue)
     lines = [f"queue {name} {state}" if changed else f"queue {name} was already {state.replace('resumed', 'active')}"]
     late = pause.wait_honoured(conn, queue, args.wait, pausing) if args.wait else None
-    working = [hb["identity"] for hb in pause.working(conn, queue)]
-    unaware = pause.blind(conn, queue) if pausing else []
+    procs = pause.working(conn, queue)
+    working = [hb["identity"] for hb in procs]
+    # Ruby Sidekiq, an older forkq (pause.blind): from the heartbeats read just above
+    unaware = [hb["identity"] for hb in procs if hb["paused"] is None] if pausing else []
     # a process that never reads pauses honours none: counted there, not among these
     aware = [ident for ident in working if ident not in unaware]
     if late is None:

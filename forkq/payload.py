@@ -11,7 +11,7 @@ import time
 import zlib
 from random import getrandbits
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 
@@ -109,17 +109,17 @@ def check_args(args: Any) -> list:
         args = list(args)
     if type(args) is not list:
         raise TypeError(f"job args must be a list or tuple, not {type(args).__name__}")
-    for i, v in enumerate(args):
-        try:
-            native = _native(v)
-        except RecursionError:
-            native = _too_deep(f"args[{i}]")
-        if not native:
-            _refuse(v, f"args[{i}]")
+    i = 0
+    try:
+        for i, v in enumerate(args):
+            if not _native(v):
+                _refuse(v, f"args[{i}]")
+    except RecursionError:
+        _too_deep(f"args[{i}]")
     return args
 
 
-def _too_deep(path: str) -> bool:
+def _too_deep(path: str) -> NoReturn:
     # a value that holds itself (a list appended to itself), or is nested hundreds deep:
     # JSON cannot carry the first, and the push's encoder would fail on the second
     raise TypeError(f"job argument {path} is nested too deeply, or holds itself; forkq accepts "
@@ -139,16 +139,16 @@ def check_kwargs(kwargs: Any) -> dict[str, Any]:
         if not isinstance(kwargs, dict):
             raise TypeError(f"job keyword arguments must be a dict, not {type(kwargs).__name__}")
         kwargs = dict(kwargs)
-    for name, v in kwargs.items():
-        if type(name) is not str:
-            raise TypeError(f"job keyword argument name {name!r} is not a str "
-                            f"({type(name).__name__}); keyword argument names are str")
-        try:
-            native = _native(v)
-        except RecursionError:
-            native = _too_deep(f"kwargs[{name!r}]")
-        if not native:
-            _refuse(v, f"kwargs[{name!r}]")
+    name: Any = None
+    try:
+        for name, v in kwargs.items():
+            if type(name) is not str:
+                raise TypeError(f"job keyword argument name {name!r} is not a str "
+                                f"({type(name).__name__}); keyword argument names are str")
+            if not _native(v):
+                _refuse(v, f"kwargs[{name!r}]")
+    except RecursionError:
+        _too_deep(f"kwargs[{name!r}]")
     return kwargs
 
 

@@ -484,6 +484,7 @@ def test_async_with_waits_without_stalling_the_loop(client, r):
         ticks = 0
         order: list = []
         release = asyncio.Event()
+        holding = asyncio.Event()
 
         async def ticker() -> None:
             nonlocal ticks
@@ -494,6 +495,7 @@ def test_async_with_waits_without_stalling_the_loop(client, r):
         async def holder() -> None:
             async with lim:
                 order.append("a in")
+                holding.set()
                 await release.wait()
             order.append("a out")
 
@@ -503,7 +505,7 @@ def test_async_with_waits_without_stalling_the_loop(client, r):
 
         tick = asyncio.create_task(ticker())
         a = asyncio.create_task(holder())
-        await asyncio.sleep(0.05)
+        await holding.wait()  # a holds the one slot
         b = asyncio.create_task(waiter())
         await asyncio.sleep(0.3)  # b waits for the slot meanwhile
         waited = ticks
