@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import (ConfigError, ForkqError, JobFailed, MalformedPayload, OverLimit, PartialEnqueue,
+from .errors import (ConfigError, ForkqError, JobCancelled, JobFailed, MalformedPayload, OverLimit, PartialEnqueue,
                      RedisUnavailable, ResultNotReady, TimeLimitExceeded, UnknownJob, UnstorableResult)
 from .hooks import on_death, on_fork, server_middleware, slot_index
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .results import result
 
 __all__ = [
-    "Client", "ConfigError", "CronError", "ForkqError", "Job", "JobFailed", "JobFields", "MalformedPayload",
+    "Client", "ConfigError", "CronError", "ForkqError", "Job", "JobCancelled", "JobFailed", "JobFields", "MalformedPayload",
     "OverLimit", "PartialEnqueue", "RedisUnavailable", "ResultNotReady", "TimeLimitExceeded", "UnknownJob",
     "UnstorableResult", "configure", "current_job", "default_client", "job", "on_death", "on_fork", "periodic", "result",
     "server_middleware", "slot_index",

@@ -65,6 +65,13 @@ class TimeLimitExceeded(BaseException):
     job fails with it and is retried as any failure is."""
 
 
+class JobCancelled(BaseException):
+    """Raised inside a running job that an operator cancelled (`forkq cancel JID`,
+    `forkq.api.cancel`). A BaseException for the reason TimeLimitExceeded is one: a job's
+    `except Exception:` must not swallow it. The job is not retried: it goes to the dead
+    set with error_class `forkq.JobCancelled`, from where it can be retried by hand."""
+
+
 class OverLimit(ForkqError):
     """A rate limiter (forkq.limiter) stayed full for its whole `wait_timeout`. `limiter` is
     its name. Escaping a job, it does not count as a failure: the worker schedules the job

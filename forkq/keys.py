@@ -62,6 +62,10 @@ LIMITER_PREFIX = "forkq:limiter:"
 # Paused queues (pause.py): queue name -> JSON {"at": epoch s, "reason": ..., "by": ...}.
 # Every process reads it at its heartbeat and claims nothing from the queues it names.
 PAUSED = "forkq:paused"
+# Cancellation requests (cancel.py): jid -> JSON {"at": epoch s, "by": ..., "reason": ...}.
+# An operator's cancel writes one; a worker whose heartbeat finds one for a job it runs
+# interrupts that job, and the write that puts the job in `dead` deletes the request.
+CANCEL = "forkq:cancel"
 
 CRON_PREFIX = "forkq:cron:"
 # A periodic entry's hash outlives its last push or boot by this long: the key of an entry
