@@ -832,6 +832,28 @@ def test_a_clear_never_drops_an_entry_pushed_meanwhile_without_ending_it(client,
         assert (r.get(lock_of(100 + n)) == jid.encode()) == (n in held)
 
 
+
+def test_a_call_ending_many_entries_of_a_batch_checks_it_once_and_fires_once(client, r):
+    """forget.lua checked a batch's completion after each entry it ended: a clear's page of
+    1,000 entries of one batch checked it 1,000 times, about half the call. Once per batch
+    per call now, after all its entries; each batch's on_complete is still pushed once."""
+    one = forkq.Batch().on_complete(report, "one")
+    two = forkq.Batch().on_complete(report, "two")
+    later = time.time() + 600
+    with one:
+        ones = [load.enqueue_at(later + 2 * i, i) for i in range(150)]
+    with two:  # interleaved with one's in the schedule
+        twos = [load.enqueue_at(later + 2 * i + 1, i) for i in range(150)]
+    r.config_resetstat()
+    assert api.schedule(r).clear() == 300
+    stats = r.info("commandstats")
+    # two clear_page calls and one forget.lua that ends all 300
+    assert sum(stats.get(f"cmdstat_{c}", {"calls": 0})["calls"] for c in ("eval", "evalsha")) == 3
+    assert stats["cmdstat_scard"]["calls"] == 2  # batch_check's: once per batch
+    assert sorted(callbacks(r)) == [("report", ["one"]), ("report", ["two"])]
+    assert set(one.status().failures) == set(ones) and set(two.status().failures) == set(twos)
+    assert r.ttl(batch_mod.key(one.bid) + ":failed") > 0
+
 def lock_of(n: int) -> str:
     from forkq import unique
     return unique.lock_key("batch_test.load", "bq", [n])

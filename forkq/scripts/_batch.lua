@@ -80,11 +80,24 @@ local function batch_success(b, jid)
 end
 
 -- Job `jid` of batch `b` failed (to retry, or for good): `err` is kept as its last failure.
-local function batch_failure(b, jid, err)
+-- Whether it counted (a job of the batch not succeeded yet); nothing is checked here.
+local function batch_note_failure(b, jid, err)
   if redis.call('SISMEMBER', b .. ':jids', jid) == 0 then
-    return
+    return false
   end
   redis.call('HSET', b .. ':failed', jid, err)
+  return true
+end
+
+-- What follows a batch's failures: its keys' lives, and its callbacks. A call that ends
+-- many jobs of one batch (forget.lua) does it once, after them all.
+local function batch_failed(b)
   batch_refresh(b, b .. ':failed')
   batch_check(b)
+end
+
+local function batch_failure(b, jid, err)
+  if batch_note_failure(b, jid, err) then
+    batch_failed(b)
+  end
 end

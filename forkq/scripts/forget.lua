@@ -7,10 +7,13 @@
 -- ARGV[1] 'zset' or 'list', ARGV[2] the failure a batch records (JSON), then
 -- (member, lock key or '', jid, batch key or '') quadruplets
 -- Returns how many entries were removed.
+-- Each batch is checked once, after all its entries: a clear's page of 1,000 entries of
+-- one batch checked it 1,000 times (about half the call's time).
 --#include batch
 --#include unlock
 local removed = 0
 local zset = ARGV[1] == 'zset'
+local failed, order = {}, {}
 for i = 3, #ARGV, 4 do
   local n
   if zset then
@@ -23,9 +26,14 @@ for i = 3, #ARGV, 4 do
     if ARGV[i + 1] ~= '' then
       unlock(ARGV, i + 1, i + 2)
     end
-    if ARGV[i + 3] ~= '' then
-      batch_failure(ARGV[i + 3], ARGV[i + 2], ARGV[2])
+    local b = ARGV[i + 3]
+    if b ~= '' and batch_note_failure(b, ARGV[i + 2], ARGV[2]) and not failed[b] then
+      failed[b] = true
+      order[#order + 1] = b
     end
   end
+end
+for _, b in ipairs(order) do
+  batch_failed(b)
 end
 return removed
