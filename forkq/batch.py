@@ -171,13 +171,14 @@ class Batch:
 
     def _abandon(self) -> None:
         """Leave the batch unsealed, so nothing fires; mark it for its status, best effort
-        (the exception may be Redis's own, and unsealed is what keeps callbacks back)."""
+        (the exception may be Redis's own, and unsealed is what keeps callbacks back), and
+        only if its hash is still there (scripts/batch_abandon.lua)."""
         from . import client as client_module
         self._state = "abandoned"
         if client_module.test_push is not None:
             return
         try:
-            self.client.redis.hset(key(self.bid), "abandoned", "1")
+            scripts.load(self.client.redis, "batch_abandon")(keys=[key(self.bid)])
         except Exception:
             pass
 

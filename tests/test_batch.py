@@ -330,6 +330,19 @@ def test_an_exception_inside_abandons_the_batch(client, r, worker):
     assert load.enqueue(2) and "bid" not in json.loads(r.lindex("queue:bq", 0))
 
 
+
+def test_abandoning_a_batch_whose_keys_expired_leaves_no_key_behind(client, r):
+    """Abandoning HSET the hash whatever: on a batch whose keys had gone (a `with` held open
+    past the TTL, an eviction) it made a hash with no TTL, which stayed in Redis for good."""
+    batch = forkq.Batch()
+    with pytest.raises(ZeroDivisionError):
+        with batch:
+            r.delete(batch_mod.key(batch.bid))  # its keys expire while the `with` runs
+            1 / 0
+    assert repr(batch) == f"<forkq.Batch {batch.bid} abandoned>"
+    assert r.keys("forkq:batch:*") == [] and batch.status() is None
+    assert [k for k in r.keys("*") if r.ttl(k) == -1] == [keys.BATCHES.encode()]
+
 def test_a_poison_job_counts_as_failed(client, r):
     identity = "test:1:poisonbatch00"
     with forkq.Batch().on_complete(report, "c") as batch:
