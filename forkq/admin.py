@@ -31,6 +31,7 @@ RUN_VERBS = ("retry", "retry-now", "run-now")
 # forkq.batch.STATES, spelled out: importing forkq.batch pulls in redis-py (0.1 s), which
 # a usage error or --help does not wait for (a test holds the two equal)
 BATCH_STATES = ("open", "running", "complete", "succeeded", "abandoned")
+BATCHES_SCAN = 2000  # forkq.batch.LOOK_AT, as BATCH_STATES
 
 MALFORMED_HELP = ("entries that are no runnable job: forkq.MalformedJob (a payload forkq "
                   "could not parse) and members that do not parse")
@@ -73,6 +74,10 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
                    help="show at most this many (default 100)")
     p.add_argument("--state", action="append", choices=BATCH_STATES,
                    help="only batches in this state (repeatable)")
+    p.add_argument("--scan", metavar="N", type=whole_number("--scan", 1, LIMIT_MAX),
+                   default=BATCHES_SCAN,
+                   help=f"look at the newest N batches at most, or --limit if more (default "
+                        f"{BATCHES_SCAN}; Redis indexes the newest 10,000)")
     for verb, what in (("pause", "stop every process claiming a queue's jobs (they stay queued)"),
                        ("resume", "let processes claim a paused queue's jobs again")):
         p = sub.add_parser(verb, parents=[common], help=what)
@@ -264,12 +269,18 @@ def _batch(conn, args) -> int:
 def _batches(conn, args):
     from dataclasses import asdict
     from . import batch
-    found = batch.recent(conn, args.limit, args.state)
+    found = batch.recent(conn, args.limit, args.state, args.scan)
     rows = [[b.bid, _cut(b.description, 40), _when(b.created_at), b.state, b.total, b.pending,
              b.failed] for b in found]
     table = _table(["bid", "description", "created (UTC)", "state", "total", "pending", "failed"],
                    rows) if rows else ["no batches" + (" in that state" if args.state else "")
-                                       + " in Redis"]
+                                       + (f" among the newest {found.looked_at}" if found.more else "") + " in Redis"]
+    if found.more:
+        more = (f"... more may exist: looked at the newest {found.looked_at} batches "
+                "(--scan N looks further)")
+        table.append(more)
+        if args.json:  # the JSON stays a list
+            sys.stderr.write(f"forkq: {more[4:]}\n")
     return [asdict(b) for b in found], table
 
 

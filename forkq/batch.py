@@ -406,61 +406,131 @@ class BatchSummary:
 # what a listing reads of each batch's hash: never the callbacks' payloads, which may be big
 _SUMMARY_FIELDS = ("description", "created_at", "total", "sealed", "abandoned", "complete_at",
                    "success_at")
+# The most index entries a listing reads (expired ones included) unless its limit is
+# higher: a listing of a state few batches are in stops there, saying older ones may exist
+# (Listing.more), instead of reading the whole index (keys.BATCHES_MAX entries).
+LOOK_AT = 2000
+_PAGE_MAX = 1000  # index entries read in one round trip, at most
 
 
-def recent(r: "redis.Redis", limit: int = 100,
-           states: "Iterable[str] | None" = None) -> list[BatchSummary]:
+class Listing(list):
+    """recent()'s batches, a list. `more`: the listing stopped at its budget of index
+    entries read (`looked_at`) before it had `limit` batches or reached the index's end, so
+    older batches in the state(s) asked for may exist."""
+
+    more: bool = False
+    looked_at: int = 0
+
+
+def recent(r: "redis.Redis", limit: int = 100, states: "Iterable[str] | None" = None,
+           look_at: int | None = None) -> Listing:
     """The newest batches Redis holds, newest first: up to `limit` of them, only those in
-    `states` (of STATES) if given. Reads the index (keys.BATCHES) a page at a time and each
-    page's batches in one pipelined round trip; an entry whose batch has expired is dropped
-    from the index as it is read. A batch opened more than keys.BATCHES_MAX batches ago is
-    not listed, though `forkq batch BID` still reads it."""
+    `states` (of STATES) if given, among the newest max(look_at, limit) entries of the
+    index (keys.BATCHES); look_at defaults to LOOK_AT. Each round trip reads a page of
+    the index's entries' fields (only those a listing shows), the counts of the previous
+    page's batches in `states`, and the next page of the index; pages grow while a filter
+    finds few. An entry whose batch has expired is dropped from the index. A batch opened
+    more than keys.BATCHES_MAX batches ago is not listed, though `forkq batch BID` still
+    reads it."""
     wanted = None if states is None else set(states)
     if wanted is not None and not wanted <= set(STATES):
         raise ValueError(f"unknown batch state(s) {sorted(wanted - set(STATES))}: "
                          f"expected some of {', '.join(STATES)}")
-    page = min(max(limit + 10, 100), 1000)
-    out: list[BatchSummary] = []
+    budget = max(LOOK_AT if look_at is None else look_at, limit)
+    size = min(limit + 10, budget, _PAGE_MAX)
+    out = Listing()
+    # batches in `states` whose counts (SCARD, HLEN) go with the next round trip: a
+    # filtered listing reads the counts of those it shows only
+    counting: list[tuple[bytes, float, dict[str, str | None]]] = []
+    gone: list[bytes] = []
     seen: set[bytes] = set()
-    start = 0
-    while len(out) < limit:
-        members = r.zrevrange(keys.BATCHES, start, start + page - 1, withscores=True)
-        if not members:
-            break
+    found = looked = 0
+    members = r.zrevrange(keys.BATCHES, 0, size - 1, withscores=True) if limit > 0 else []
+    while members or counting:
+        looked += len(members)
+        end = len(members) < size  # the index's: no page after this one
+        last = end or looked >= budget
+        if wanted is not None:
+            size *= 2
+        size = min(size, _PAGE_MAX, budget - looked)
+        # the next page goes with this one unless this one most likely fills the listing
+        ahead = bool(members) and not last and (
+            wanted is not None or found + len(members) < limit)
         pipe = r.pipeline(transaction=False)
+        for raw, _, _ in counting:
+            pipe.scard(PREFIX.encode() + raw + b":jids")
+            pipe.hlen(PREFIX.encode() + raw + b":failed")
         for raw, _ in members:
             b = PREFIX.encode() + raw
             pipe.hmget(b, _SUMMARY_FIELDS)
-            pipe.scard(b + b":jids")
-            pipe.hlen(b + b":failed")
-        replies = pipe.execute(raise_on_error=False)
-        gone = []
-        for i, (raw, score) in enumerate(members):
-            meta, pending, failed = replies[3 * i: 3 * i + 3]
+            if wanted is None:
+                pipe.scard(b + b":jids")
+                pipe.hlen(b + b":failed")
+        if ahead:
+            pipe.zrevrange(keys.BATCHES, looked, looked + size - 1, withscores=True)
+        # stopping at the budget: whether the index goes on past it (a full page says not)
+        spent = bool(members) and not end and looked >= budget
+        if spent:
+            pipe.zcard(keys.BATCHES)
+        replies = iter(pipe.execute(raise_on_error=False))
+        for raw, score, fields in counting:
+            pending, failed = next(replies), next(replies)
+            if isinstance(pending, Exception) or isinstance(failed, Exception):
+                gone.append(raw)  # (WRONGTYPE) keys of that name that no batch of forkq's wrote
+            else:
+                out.append(_summary(raw, score, fields, pending, failed))
+        counting = []
+        for raw, score in members:
+            meta = next(replies)
+            counts = (next(replies), next(replies)) if wanted is None else ()
             # expired, or (WRONGTYPE) a key of that name that no batch of forkq's wrote
-            if any(isinstance(v, Exception) for v in (meta, pending, failed)) or \
-                    all(v is None for v in meta):
+            if isinstance(meta, Exception) or all(v is None for v in meta) or \
+                    any(isinstance(v, Exception) for v in counts):
                 gone.append(raw)
                 continue
             if raw in seen:  # a batch opened meanwhile moved the ranks on by one
                 continue
             seen.add(raw)
-            summary = _summary(raw, score, meta, pending, failed)
-            if wanted is None or summary.state in wanted:
-                out.append(summary)
-        if gone:
-            r.zrem(keys.BATCHES, *gone)
-        if len(members) < page:
-            break
-        start += len(members) - len(gone)
-    return out[:limit]
+            fields = _fields(meta)
+            if found >= limit:
+                continue
+            if wanted is None:
+                out.append(_summary(raw, score, fields, *counts))
+                found += 1
+            elif _state(fields) in wanted:
+                counting.append((raw, score, fields))
+                found += 1
+        if not members:
+            pass  # a round trip for the last counts only
+        elif found >= limit or last:
+            if spent and found < limit:
+                total = next(replies)
+                out.more = isinstance(total, int) and total > looked
+            members = []
+        elif ahead:
+            members = next(replies)
+            if isinstance(members, Exception):
+                raise members
+        else:
+            members = r.zrevrange(keys.BATCHES, looked, looked + size - 1, withscores=True)
+    if gone:
+        r.zrem(keys.BATCHES, *gone)
+    out.looked_at = looked
+    return out
 
 
-def _summary(raw: bytes, score: float, meta: list[bytes | None], pending: int,
+def _fields(meta: list[bytes | None]) -> dict[str, str | None]:
+    return dict(zip(_SUMMARY_FIELDS, (None if v is None else v.decode("utf-8", "replace")
+                                      for v in meta)))
+
+
+def _state(fields: dict[str, str | None]) -> str:
+    return state_of(fields["sealed"] == "1", fields["abandoned"] == "1",
+                    fields["complete_at"] is not None, fields["success_at"] is not None)
+
+
+def _summary(raw: bytes, score: float, fields: dict[str, str | None], pending: int,
              failed: int) -> BatchSummary:
-    fields = dict(zip(_SUMMARY_FIELDS, (None if v is None else v.decode("utf-8", "replace")
-                                        for v in meta)))
-
     def number(name: str) -> float | None:
         try:
             return float(fields[name]) if fields[name] is not None else None
@@ -473,9 +543,6 @@ def _summary(raw: bytes, score: float, meta: list[bytes | None], pending: int,
         total = 0
     return BatchSummary(
         bid=raw.decode("utf-8", "replace"), description=fields["description"] or "",
-        created_at=score if created_at is None else created_at,
-        state=state_of(fields["sealed"] == "1", fields["abandoned"] == "1",
-                       fields["complete_at"] is not None, fields["success_at"] is not None),
-        total=total,
-        pending=pending, failed=failed,
+        created_at=score if created_at is None else created_at, state=_state(fields),
+        total=total, pending=pending, failed=failed,
         complete_at=number("complete_at"), success_at=number("success_at"))

@@ -329,6 +329,23 @@ def test_batches_lists_the_newest_first_with_states_and_counts(r, redis_url, cap
     assert r.zscore(keys.BATCHES, "expired-bid") is None
 
 
+
+def test_batches_looks_at_scan_batches_at_most_and_says_more_may_exist(r, redis_url, capsys):
+    from forkq import admin, batch, cli
+    from test_batch import many_batches
+    assert admin.BATCHES_SCAN == batch.LOOK_AT  # spelled out there for a fast --help
+    gave_up, *_ = many_batches(r, ["abandoned", "succeeded", "succeeded", "succeeded"])
+    assert cli.main(["batches", "--state", "abandoned", "--limit", "1", "--scan", "3"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "no batches in that state among the newest 3 in Redis",
+        "... more may exist: looked at the newest 3 batches (--scan N looks further)"]
+    assert cli.main(["batches", "--state", "abandoned", "--limit", "1", "--scan", "3", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out) == [] and "more may exist" in out.err
+    assert cli.main(["batches", "--state", "abandoned", "--limit", "1", "--scan", "4", "--json"]) == 0
+    out = capsys.readouterr()
+    assert [b["bid"] for b in json.loads(out.out)] == [gave_up] and out.err == ""
+
 def test_tables_write_out_bidi_and_zero_width_characters():
     from forkq import admin
     assert admin._printable("pay\u202elaunch\u200b\x1b[31m") == "pay\\u202elaunch\\u200b\\x1b[31m"

@@ -789,6 +789,55 @@ def test_the_index_keeps_at_most_batches_max_entries(client, r, monkeypatch):
     # the batches themselves are untouched: only the listing forgets the oldest
     assert forkq.batch_status(bids[0]).state == "succeeded"
 
+
+def many_batches(r, states: list[str]) -> list[str]:
+    """Batches opened a second apart, oldest first, one per state of `states`: "succeeded"
+    (sealed empty), "running" (one job pending) or "abandoned"; written by forkq's own
+    scripts in one pipeline, which is quicker than a `with` each."""
+    from forkq import scripts
+    pipe = r.pipeline(transaction=False)
+    now = time.time() - len(states)
+    bids = []
+    for i, state in enumerate(states):
+        bid = batch_mod.new_bid()
+        b = batch_mod.key(bid)
+        scripts.load(r, "batch_open")(keys=[b, keys.BATCHES], args=[
+            bid, f"#{i}", repr(now + i), keys.BATCHES_MAX, "0.5"], client=pipe)
+        if state == "abandoned":
+            scripts.load(r, "batch_abandon")(keys=[b], client=pipe)
+        else:
+            if state == "running":
+                scripts.load(r, "batch_join")(keys=[b, b + ":jids"], args=["", "j" + bid], client=pipe)
+            scripts.load(r, "batch_seal")(keys=[b], args=["", "", "", ""], client=pipe)
+        bids.append(bid)
+    pipe.execute()
+    return bids
+
+
+def test_a_filtered_listing_reads_a_bounded_part_of_the_index_and_says_more_may_exist(client, r):
+    """A listing of a state few batches are in (/batches?state=, forkq batches --state) read
+    the whole index, up to 10,000 entries, 110 a page, two round trips a page: 182 round
+    trips. It stops at LOOK_AT entries now, in pages that grow, each read with the next,
+    says older ones may exist, and reads the counts of the batches it lists only."""
+    n = batch_mod.LOOK_AT + 300
+    bids = many_batches(r, ["abandoned"] * 3 + ["succeeded"] * (n - 13) + ["running"] * 10)
+    r.config_resetstat()
+    found = batch_mod.recent(r, states=["abandoned"])
+    stats = r.info("commandstats")
+    assert found == [] and found.more and found.looked_at == batch_mod.LOOK_AT
+    assert stats["cmdstat_hmget"]["calls"] == batch_mod.LOOK_AT and "cmdstat_scard" not in stats
+    assert stats["cmdstat_zrevrange"]["calls"] <= 5  # a page a round trip
+    whole = batch_mod.recent(r, states=["abandoned"], look_at=keys.BATCHES_MAX)
+    assert [b.bid for b in whole] == bids[2::-1] and not whole.more and whole.looked_at == n
+    r.config_resetstat()
+    running = batch_mod.recent(r, limit=4, states=["running"])
+    assert [b.bid for b in running] == bids[:-5:-1] and not running.more
+    assert [(b.state, b.total, b.pending, b.failed) for b in running] == [("running", 1, 1, 0)] * 4
+    assert r.info("commandstats")["cmdstat_scard"]["calls"] == 4
+    newest = batch_mod.recent(r, limit=3, look_at=1)  # a limit past look_at is looked at whole
+    assert [b.bid for b in newest] == bids[:-4:-1] and not newest.more
+    assert batch_mod.recent(r, limit=5, look_at=3, states=["running"]).more is False
+
 def _locks(r) -> list[bytes]:
     return list(r.scan_iter("unique:*"))
 

@@ -235,6 +235,22 @@ def test_the_batches_page_lists_them_newest_first_escaped_and_linked(browser, r,
     assert r.zscore(keys.BATCHES, "expired-bid") is None
 
 
+
+@pytest.mark.timeout(30)
+def test_a_filtered_batches_page_looks_at_the_newest_look_at_batches_and_says_so(browser, r):
+    """/batches?state= read the whole index (up to 10,000 batches, 182 round trips)."""
+    from forkq import batch
+    from test_batch import many_batches
+    bids = many_batches(r, ["abandoned"] + ["succeeded"] * batch.LOOK_AT + ["running"])
+    page = browser.get("/batches?state=abandoned")
+    assert page.status == 200, page
+    assert f"No batches abandoned among the newest {batch.LOOK_AT:,} in Redis." in page.text
+    assert "More may exist" in page.text and "forkq batches --state abandoned --scan N" in page.text
+    running = browser.get("/batches?state=running")
+    assert re.findall(r'<a href="/batches/([^"]+)"><code>', running.text) == [bids[-1]]
+    assert "More may exist" in running.text
+    assert "More may exist" not in browser.get("/batches").text
+
 # -- one job's page -------------------------------------------------------------------
 
 
