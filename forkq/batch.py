@@ -73,6 +73,13 @@ class Batch:
     def __init__(self, description: str = "", *, client: "Client | None" = None) -> None:
         if type(description) is not str:
             raise TypeError(f"description must be a str, not {type(description).__name__}")
+        try:
+            description.encode()
+        except UnicodeEncodeError as exc:
+            # Redis stores it as UTF-8: refused here, not only by the `with` that writes
+            # it (and never under forkq.testing, which writes nothing)
+            raise ValueError(f"description must be text UTF-8 can hold: {exc.reason} at "
+                             f"position {exc.start}") from None
         self.bid = new_bid()
         self.description = description
         self._client = client

@@ -387,6 +387,17 @@ def test_misuse_is_refused_and_pushes_nothing(client, r):
     assert forkq.batch_status("no-such-batch") is None
 
 
+def test_a_description_utf8_cannot_hold_is_refused_when_the_batch_is_made(client, r):
+    """A lone surrogate passed Batch() and forkq.testing, then failed the `with` in
+    production with redis-py's UnicodeEncodeError."""
+    with pytest.raises(ValueError, match="surrogates not allowed at position 4"):
+        forkq.Batch(description="bad \udc80")
+    assert r.keys("*") == []
+    with forkq.Batch(description="ok \u202e\U0001f600") as fine:
+        pass
+    assert fine.status().description == "ok \u202e\U0001f600"
+
+
 def test_a_middleware_dropping_a_job_leaves_it_out_of_the_batch(redis_url, r):
     forkq.configure(redis_url, middleware=[lambda j: None if j["args"] == [2] else j])
     try:
