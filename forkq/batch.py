@@ -134,9 +134,9 @@ class Batch:
         if self._state == "reopened" and (outer is None or outer.bid == self.bid):
             self._token = _open.set(self)
             return self
-        if self._state != "new":
+        if self._state not in ("new", "reopened"):
             raise RuntimeError(f"batch {self.bid} is {self._state}: a batch is opened once")
-        if outer is not None:
+        if outer is not None:  # (a reopened one inside another batch's `with` too)
             raise RuntimeError("a batch is already open here: batches do not nest")
         from . import client as client_module
         if client_module.test_push is None:

@@ -383,6 +383,15 @@ def test_misuse_is_refused_and_pushes_nothing(client, r):
     with pytest.raises(RuntimeError, match="opened once"):
         with sealed:
             pass
+    # a job's own batch, reopened inside another: it said "is reopened: opened once"
+    reopened = batch_mod.Batch()
+    reopened.bid, reopened._state = sealed.bid, "reopened"  # as current_batch() makes it
+    with pytest.raises(RuntimeError, match="already open here: batches do not nest"):
+        with forkq.Batch():
+            with reopened:
+                pass
+    with reopened:  # alone, it is entered any number of times
+        assert batch_mod.joining() is reopened
     assert r.llen("queue:bq") == 0 and r.keys("unique:*") == []
     assert forkq.batch_status("no-such-batch") is None
 
