@@ -19,6 +19,7 @@ from .hooks import on_death, on_fork, server_middleware, slot_index
 
 if TYPE_CHECKING:
     from .batch import Batch, BatchStatus, batch_status, current_batch
+    from .chains import Chain, chain
     from .client import Client, configure, default_client
     from .cron import CronError, periodic
     from .jobs import Job, job
@@ -31,7 +32,7 @@ __all__ = [
     "OverLimit", "PartialEnqueue", "RedisUnavailable", "ResultNotReady", "TimeLimitExceeded", "UnknownJob",
     "UnstorableResult", "configure", "current_job", "default_client", "job", "on_death", "on_fork", "periodic", "result",
     "server_middleware", "slot_index",
-    "Batch", "BatchStatus", "batch_status", "current_batch", "Call", "call",
+    "Batch", "BatchStatus", "batch_status", "current_batch", "Call", "call", "Chain", "chain",
 ]
 __version__ = "0.1.0"
 
@@ -42,7 +43,7 @@ _LAZY = {"Client": "client", "configure": "client", "default_client": "client",
          "CronError": "cron", "periodic": "cron", "result": "results",
          "Call": "payload", "call": "payload",
          "Batch": "batch", "BatchStatus": "batch", "batch_status": "batch",
-         "current_batch": "batch"}
+         "current_batch": "batch", "Chain": "chains", "chain": "chains"}
 # `import forkq` used to import these too, so forkq.client.connect or forkq.jobs.REGISTRY
 # worked without importing them by name
 _SUBMODULES = {"client", "jobs", "logs", "payload", "keys", "wire", "cron", "results", "limiter"}

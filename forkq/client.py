@@ -445,15 +445,17 @@ class Client:
             jobs = [payload.build(name, a, queue, retry, now, **options) for a in checked]
         return self.push_jobs(jobs, at=at)
 
-    def push_jobs(self, jobs: list[dict[str, Any]], at: float | datetime | None = None) -> list[str]:
+    def push_jobs(self, jobs: list[dict[str, Any]], at: float | datetime | None = None, *,
+                  middleware: bool = True) -> list[str]:
         """Push prepared payloads (each with class, args, jid, queue); return the jids of
         those pushed: not those a client middleware dropped, nor the unique ones refused
         because an identical job holds its lock. Inside a `with forkq.Batch()`, the jobs
-        join it, in the same MULTI as their push."""
+        join it, in the same MULTI as their push. middleware=False: the caller has already
+        passed them through the client middleware (forkq.chain)."""
         joining = batch.joining()
         if joining is not None:
             joining.stamp(jobs, self)
-        if self.middleware:
+        if self.middleware and middleware:
             jobs = [j for j in (self._through_middleware(j) for j in jobs) if j is not None]
         if not jobs:
             return []

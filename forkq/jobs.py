@@ -6,13 +6,16 @@ import inspect
 import time
 from collections.abc import Callable, Iterable
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from . import payload, unique
 from .client import Client, default_client, epoch
 from .errors import PartialEnqueue, RedisUnavailable
+
+if TYPE_CHECKING:
+    from .chains import Step
 
 # Only names in this registry ever run: a payload's class is looked up here and never
 # imported, so a job naming os.system (or anything unregistered) cannot run code.
@@ -59,6 +62,11 @@ class Enqueuer:
             return [payload.build(name, a, now=now, **options) for a in checked]
         return [payload.build(name, a, now=now, kwargs=keywords.get(i), **options)
                 for i, a in enumerate(checked, first)]
+
+    def call(self, /, *args: Any, **kwargs: Any) -> "Step":
+        """A step of a chain (forkq.chain) pushed with these options and arguments."""
+        from .chains import Step
+        return Step(self, args, kwargs)
 
     # self positional-only, as the time of enqueue_in: a job's own `self` goes to the job
     def enqueue(self, /, *args: Any, **kwargs: Any) -> str | None:
@@ -218,6 +226,11 @@ class Job:
 
     def enqueue(self, /, *args: Any, **kwargs: Any) -> str | None:
         return self._default().enqueue(*args, **kwargs)
+
+    def call(self, /, *args: Any, **kwargs: Any) -> "Step":
+        """A step of a chain: `forkq.chain(fetch.call(url), parse.call()).enqueue()`. Runs
+        nothing by itself (calling the job itself runs it here)."""
+        return self._default().call(*args, **kwargs)
 
     def enqueue_in(self, seconds: float, /, *args: Any, **kwargs: Any) -> str | None:
         return self._default().enqueue_in(seconds, *args, **kwargs)

@@ -11,7 +11,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import batch, hooks, keys, logs, payload, results, unique
+from . import batch, chains, hooks, keys, logs, payload, results, unique
 from .errors import MalformedPayload, OverLimit, TimeLimitExceeded, UnknownJob
 from .fetch import Unit
 from .jobs import lookup
@@ -193,7 +193,11 @@ class Processor:
                 return False
             if after is not lock and not self._expired_in_batch(job, why):
                 return False
+            if "forkq_chain" in job:
+                chains.ended(job, "expired")
             return True if lock is None else lock  # dropped unrun: acknowledged as done
+        if "forkq_chain" in job:  # the one test a job of no chain pays
+            keep = chains.Next(keep, after)
         jobdef = lookup(name)
         self.current = (unit.queue, unit.raw, time.time())
         logs.set_job(job.get("jid"), payload.display_name(job), unit.queue, job)
@@ -311,11 +315,30 @@ class Processor:
         if _in_copy:
             _leave_copy(None)
         self.current = None
-        if keep is not None and not self._keep(keep, results.success(value, keep[0])):
-            return False
+        if keep is not None:
+            if keep.__class__ is chains.Next:
+                return self._continue(unit, job, keep, value, started)
+            if not self._keep(keep, results.success(value, keep[0])):
+                return False
         if self._log_jobs:
             log.info("done", elapsed_ms=round((time.perf_counter() - started) * 1000, 2))
         return True
+
+    def _continue(self, unit: Unit, job: dict[str, Any], step: "chains.Next", value: Any,
+                  started: float) -> bool:
+        """A chained step succeeded: push its next step and release its in-flight entry in
+        one call (never the batched ack: a crash between the two would run it again and
+        push its successor twice). False either way: nothing is left to acknowledge, or
+        the step stays in flight, unacknowledged, and runs again."""
+        try:
+            what = chains.advance(self.manager, self.outcomes, unit, job, step, value)
+        except Exception as exc:
+            log.error("could not push a chain's next step; the step stays in flight and will run again",
+                      jid=job.get("jid"), error=f"{type(exc).__name__}: {exc}")
+            return False
+        if self._log_jobs:
+            log.info("done", elapsed_ms=round((time.perf_counter() - started) * 1000, 2), chain=what)
+        return False
 
     def _over_limit(self, unit: Unit, exc: OverLimit) -> bool:
         """A job whose rate limiter stayed full: put it in the schedule to run again later,

@@ -272,6 +272,9 @@ class Outcomes:
                 self._plans.pop(token, None)
             raise
         self._plans.pop(token, None)
+        if fate in ("dropped", "discarded") and "forkq_chain" in job:
+            from .chains import ended  # chains imports this module
+            ended(job, fate)
         if fate == "dead" and hooks.ON_DEATH:
             _run_death_handlers(job, exc)
         return fate

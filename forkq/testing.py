@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
-from . import client, logs, payload, results
+from . import chains, client, keys, logs, payload, results
 from .errors import UnknownJob
 from .jobs import Job, lookup
 from .processor import run_job
@@ -130,6 +131,19 @@ def _run(job: dict[str, Any]) -> None:
         logs._job.current = outer
     if keep is not None:
         results.remember(keep[0], results.success(value, keep[0]))
+    if "forkq_chain" in entry:
+        _continue_chain(entry, value)
+
+
+def _continue_chain(entry: dict[str, Any], value: Any) -> None:
+    """Push a chained job's next step through the mode's own push, as a worker would
+    push it: fake() records it (drain() runs it), inline() runs it at once. A
+    continuation that cannot run raises here, where a worker parks it in dead."""
+    if client.test_push is None:  # the mode ended while the job ran
+        return
+    nxt = chains.next_payload(entry["forkq_chain"], value, time.time())
+    queue = nxt["queue"]
+    client.test_push([("SADD", keys.QUEUES, queue), ("LPUSH", keys.queue(queue), payload.dumps(nxt))])
 
 
 def _pushed(commands: list[tuple]) -> list[tuple[dict[str, Any], float | None]]:

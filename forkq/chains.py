@@ -1,0 +1,294 @@
+"""Job chains: `forkq.chain(a.call(...), b.call(...)).enqueue()` runs b once a has succeeded.
+
+Every step's payload is built when the chain is pushed, each with its own jid. The first
+step is pushed as any job is; the others ride in its payload under `forkq_chain`, a JSON
+array of the remaining payloads. When a step succeeds, the worker pushes the next one
+(carrying the rest) and releases the step's in-flight entry in one script call
+(scripts/chain_next.lua), which pushes nothing if the entry is no longer in flight: a
+successor is pushed once for each run that succeeded and was not put back, never twice.
+
+A step that fails retries as any job, its chain in its payload; one that ends in dead
+keeps the rest there, and a retry from dead carries on. Sidekiq (Ruby) ignores the field:
+a step it runs ends the chain.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from . import batch, keys, logs, payload, results, scripts
+from .retry import MALFORMED_QUEUE, dead_entry_for_malformed
+
+if TYPE_CHECKING:
+    from .fetch import Unit
+    from .jobs import Enqueuer
+    from .manager import Manager
+    from .retry import Outcomes
+
+log = logs.get("forkq.chain")
+
+FIELD = "forkq_chain"
+# in a step's own payload, only in a chain built with pass_result=True: the previous
+# step's return value goes at the end of its args (and the flag goes, once it has)
+PASS = "forkq_pass_result"
+
+
+class Step:
+    """One step of a chain: a job, its push options and its arguments. Made by
+    `job.call(...)` or `job.options(...).call(...)`; runs nothing by itself."""
+
+    __slots__ = ("enqueuer", "args", "kwargs")
+
+    def __init__(self, enqueuer: "Enqueuer", args: tuple, kwargs: dict[str, Any]) -> None:
+        self.enqueuer = enqueuer
+        self.args = args
+        self.kwargs = kwargs
+
+    def __repr__(self) -> str:
+        inner = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        return f"{self.enqueuer.job.name}.call({', '.join(inner)})"
+
+
+class Chain:
+    """Steps to run one after another, each once the one before it has succeeded."""
+
+    def __init__(self, steps: Iterable[Any], pass_result: bool = False) -> None:
+        if type(pass_result) is not bool:
+            raise TypeError(f"pass_result must be True or False, not {pass_result!r}")
+        self.steps: list[Step] = list(steps)
+        self.pass_result = pass_result
+        if not self.steps:
+            raise ValueError("a chain needs at least one step")
+        for i, step in enumerate(self.steps):
+            if type(step) is not Step:
+                hint = (" (forkq.call names no job: write my_job.call(...))"
+                        if type(step) is payload.Call else "")
+                raise TypeError(f"step {i} of the chain is {step!r}, not a job's call: write "
+                                f"my_job.call(*args, **kwargs){hint}")
+            self._check(i, step)
+        clients = {id(step.enqueuer.client) for step in self.steps}
+        if len(clients) > 1:
+            # the worker pushes each next step to the Redis its step ran from
+            raise ValueError("the steps of a chain must be pushed by one client (one Redis): "
+                             "give each job the same client=, or none")
+
+    def _check(self, i: int, step: Step) -> None:
+        enqueuer = step.enqueuer
+        job, options = enqueuer.job, enqueuer.options
+        try:
+            args = payload.check_args(step.args)
+            kwargs = payload.check_kwargs(step.kwargs) if step.kwargs else None
+            # a step given the previous one's result gets one more positional argument
+            with_result = args + [None] if self.pass_result and i > 0 else args
+            if kwargs or job.keywords_required:
+                job.check_call(with_result, kwargs)
+            else:
+                job.check_arity(with_result)
+        except TypeError as exc:
+            raise TypeError(f"step {i} of the chain: {exc}: nothing was pushed") from None
+        if options.get("unique_for") is not None:
+            # a worker pushes a later step directly: its lock would never be taken
+            raise ValueError(f"step {i} of the chain ({job.name}) is unique (unique_for): a chain "
+                             "cannot hold unique jobs; nothing was pushed")
+        payload.check_queue(options.get("queue", "default"))
+        step.args, step.kwargs = tuple(args), kwargs or {}
+
+    def __repr__(self) -> str:
+        return f"forkq.chain({', '.join(map(repr, self.steps))})"
+
+    def enqueue(self) -> list[str]:
+        """Push the chain; return every step's jid, first step first. [] if a client
+        middleware dropped the first step (then nothing was pushed)."""
+        return self._push(None)
+
+    def enqueue_in(self, seconds: float) -> list[str]:
+        """Push the chain with its first step due in `seconds`."""
+        return self._push(time.time() + seconds)
+
+    def enqueue_at(self, when: float | datetime) -> list[str]:
+        """Push the chain with its first step due at `when` (epoch seconds or a datetime)."""
+        from .client import epoch
+        return self._push(epoch(when))
+
+    def _push(self, at: float | None) -> list[str]:
+        if batch.joining() is not None:
+            # its later steps would be pushed by a worker, outside the batch's count
+            raise ValueError("a chain cannot join a batch (it is pushed inside a `with forkq.Batch()`); "
+                             "nothing was pushed")
+        client = self.steps[0].enqueuer.client
+        jobs = []
+        for i, step in enumerate(self.steps):
+            job = step.enqueuer._build([list(step.args)], {0: step.kwargs} if step.kwargs else None)[0]
+            if self.pass_result and i > 0:
+                job[PASS] = True
+            if client.middleware:
+                # each step through the client middleware, as its own push would be
+                job = client._through_middleware(job)
+                if job is None:
+                    if i == 0:
+                        return []
+                    raise ValueError(f"a client middleware dropped step {i} of the chain; a chain "
+                                     "cannot skip a step: nothing was pushed")
+                if job.get("unique_for") is not None:
+                    raise ValueError(f"a client middleware made step {i} of the chain unique "
+                                     "(unique_for): a chain cannot hold unique jobs; nothing was pushed")
+                payload.check_queue(job.get("queue"))
+            jobs.append(job)
+        jids = [j["jid"] for j in jobs]
+        first = jobs[0]
+        if len(jobs) > 1:
+            first[FIELD] = jobs[1:]
+        client.push_jobs([first], at=at, middleware=False)
+        return jids
+
+
+def chain(*steps: Any, pass_result: bool = False) -> Chain:
+    """A chain of job calls, each run once the one before it succeeded:
+
+        forkq.chain(fetch.call(url), parse.call(), store.call(table="x")).enqueue()
+
+    pass_result=True appends each step's return value (JSON-native) to the next step's
+    positional arguments."""
+    return Chain(steps, pass_result)
+
+
+# -- in the worker --------------------------------------------------------------------
+
+class Next:
+    """What a chained step does once it succeeds; made before it runs (see Processor)."""
+
+    __slots__ = ("keep", "after")
+
+    def __init__(self, keep: tuple[str, int] | None, after: tuple[str, ...] | None) -> None:
+        self.keep = keep  # a keep_result step's (jid, TTL ms): its result in the same MULTI
+        self.after = after  # its after-success actions (a unique lock, a batch count)
+
+
+class Broken(Exception):
+    """A continuation that cannot be pushed: the reason it goes to dead."""
+
+
+def next_payload(rest: Any, value: Any, now: float) -> dict[str, Any]:
+    """The next step's payload, carrying the steps after it, from a step's `forkq_chain`
+    and the value the step returned; raise Broken with the reason it cannot run."""
+    if type(rest) is not list or not rest:
+        raise Broken(f"{FIELD} is not a non-empty list of job payloads")
+    for i, step in enumerate(rest):
+        if type(step) is not dict:
+            raise Broken(f"{FIELD}[{i}] is not an object (a job payload)")
+        name = step.get("class")
+        if type(name) is not str or not name:
+            raise Broken(f"{FIELD}[{i}] has no 'class' string")
+        if type(step.get("args")) is not list:
+            raise Broken(f"{FIELD}[{i}] 'args' is missing or not a list")
+        if "kwargs" in step and type(step["kwargs"]) is not dict:
+            raise Broken(f"{FIELD}[{i}] 'kwargs' is not an object")
+        if type(step.get("jid")) is not str or not step["jid"]:
+            raise Broken(f"{FIELD}[{i}] has no 'jid' string")
+        try:
+            payload.check_queue(step.get("queue"))
+        except (TypeError, ValueError) as exc:
+            raise Broken(f"{FIELD}[{i}]: {exc}") from None
+        if FIELD in step:
+            raise Broken(f"{FIELD}[{i}] holds a {FIELD} of its own")
+    nxt = dict(rest[0])
+    if len(rest) > 1:
+        nxt[FIELD] = rest[1:]
+    if nxt.pop(PASS, False) is True:
+        if type(value) is tuple:
+            value = list(value)  # as a tuple argument travels
+        try:
+            native = payload._native(value)
+        except RecursionError:
+            native = False
+        if not native:
+            raise Broken(f"the step before returned {results._short(value)} "
+                         f"({type(value).__name__}), which is not JSON-native: it cannot be "
+                         f"passed to {nxt['class']} (pass_result)")
+        nxt["args"] = nxt["args"] + [value]
+    if "expires_in" in nxt:  # counted from this push, as the client counts it from its own
+        try:
+            payload.stamp_expiry(nxt, now)
+        except (TypeError, ValueError) as exc:
+            raise Broken(f"{FIELD}[0]: {exc}") from None
+    nxt["enqueued_at"] = now
+    return nxt
+
+
+def advance(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[str, Any],
+            step: Next, value: Any) -> str:
+    """Push the next step of a chained job that succeeded, releasing its in-flight entry in
+    the same call (with its result kept and its after-success actions, if any); return
+    what was done: "next" (pushed), "dead" (the continuation could not run: parked in
+    dead with the reason) or "gone" (the entry was no longer in flight: nothing pushed).
+    Redis outages are ridden out through manager.write; anything else raises, and the
+    step stays in flight."""
+    now = time.time()
+    fetched = payload.parse(unit.raw)  # as fetched: the job may have changed its dict
+    rest = fetched.get(FIELD)
+    element = None if step.keep is None else results.success(value, step.keep[0])
+    after = step.after or ()
+    try:
+        nxt = next_payload(rest, value, now)
+        raw = payload.dumps(nxt)
+    except (Broken, ValueError) as exc:
+        return _bury(manager, outcomes, unit, job, rest, str(exc), step.keep, element, after, now)
+    queue = nxt["queue"]
+    done = manager.write(_write, outcomes, unit.token, step.keep, element,
+                         [keys.QUEUES, keys.queue(queue)], ["push", queue, raw, 0, 0], after)
+    if done == -1:
+        why = (f"the next step's queue {queue!r} cannot take it: its key {keys.queue(queue)!r} "
+               "holds something other than a list")
+        return _bury(manager, outcomes, unit, job, rest, why, step.keep, element, after, now)
+    if done == 0:
+        log.warning("a chained step succeeded but was no longer in flight (put back by a "
+                    "recovery): its next step is pushed when it runs again", jid=job.get("jid"))
+        return "gone"
+    return "next"
+
+
+def _bury(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[str, Any], rest: Any,
+          why: str, keep: tuple[str, int] | None, element: bytes | str | None,
+          after: tuple[str, ...], now: float) -> str:
+    """Park a continuation that cannot run in dead (a forkq.MalformedJob entry holding it,
+    on a queue nobody serves), acknowledging the step that succeeded in the same call."""
+    reason = f"the chain after {payload.display_name(job)} (jid {job.get('jid')}) cannot go on: {why}"
+    reason = reason.encode("utf-8", "backslashreplace").decode()
+    try:
+        text = json.dumps(rest, ensure_ascii=True)
+    except (TypeError, ValueError):
+        text = repr(rest)
+    entry = dead_entry_for_malformed(text.encode(), MALFORMED_QUEUE, reason, now)
+    entry["error_class"] = "forkq.ChainBroken"
+    target = [keys.DEAD, keys.DEAD]
+    argv = ["dead", now, payload.dumps(entry), now - keys.DEAD_TIMEOUT_S, keys.DEAD_MAX_JOBS]
+    done = manager.write(_write, outcomes, unit.token, keep, element, target, argv, after)
+    if done == 0:
+        return "gone"
+    log.error("chain ended: its continuation moved to the dead set", jid=job.get("jid"),
+              reason=reason, dead_jid=entry["jid"])
+    return "dead"
+
+
+def _write(outcomes: "Outcomes", token: str, keep: tuple[str, int] | None,
+           element: bytes | str | None, target: list[str], argv: list[Any],
+           after: tuple[str, ...]) -> int:
+    pipe = outcomes.redis.pipeline(transaction=True)
+    if keep is not None and element is not None:
+        results.queue_write(pipe, *keep, element)
+    pipe.eval(scripts.source("chain_next"), 3, outcomes.inflight_key, *target,
+              token, *argv, *after)
+    return int(pipe.execute()[-1])
+
+
+def ended(job: dict[str, Any], fate: str) -> None:
+    """Log that a chained job left without success for good, other than to dead (where
+    the rest of its chain waits in its entry): the steps after it will not run."""
+    rest = job.get(FIELD)
+    log.warning(f"chain ended: its step was {fate}, the steps after it will not run",
+                jid=job.get("jid"), left=len(rest) if type(rest) is list else None,
+                **{"class": payload.display_name(job)})

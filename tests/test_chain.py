@@ -1,0 +1,396 @@
+"""Job chains (forkq.chain): the build, the worker's continuation, failures, test modes.
+
+In-process against the shared redis-server: a Manager whose processor is driven by hand
+(claim, run, done), as in test_results and test_batch, so most tests take milliseconds.
+One test runs a real master with two children and SIGKILLs one while a step runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+import structlog
+
+import forkq
+from forkq import chains, keys, testing
+from forkq.fetch import requeue_owner_counts
+from corekit import hand_driven_fixture, queued, run_one
+from helpers import wait_until
+from test_supervisor import start_master, sup_events, wait_event  # noqa: F401 (a fixture)
+
+calls: list = []
+failures: dict[str, int] = {}
+
+
+@forkq.job(queue="cq", name="chain_test.step")
+def step(tag: str, *rest) -> str:
+    calls.append([tag, *rest])
+    return f"from {tag}"
+
+
+@forkq.job(queue="cq", name="chain_test.flaky")
+def flaky(tag: str) -> None:
+    """Fails the first time it runs for a tag, then succeeds."""
+    if not failures.get(tag):
+        failures[tag] = 1
+        raise ValueError(f"first run of {tag}")
+    calls.append(["flaky", tag])
+
+
+@forkq.job(queue="cq", retry=0, name="chain_test.dies")
+def dies(tag: str) -> None:
+    calls.append(["dies", tag])
+    if not failures.get(tag):
+        failures[tag] = 1
+        raise RuntimeError(f"boom {tag}")
+
+
+@forkq.job(queue="cq", retry=False, name="chain_test.dropped")
+def dropped(tag: str) -> None:
+    raise KeyError(tag)
+
+
+@forkq.job(queue="cq", keep_result=60, name="chain_test.kept")
+def kept(n: int) -> int:
+    calls.append(["kept", n])
+    return n * 2
+
+
+@forkq.job(queue="cq", name="chain_test.add")
+def add(a: int, b: int) -> int:
+    calls.append(["add", a, b])
+    return a + b
+
+
+@forkq.job(queue="cq", name="chain_test.when")
+def when() -> object:
+    return time  # a module: no JSON value
+
+
+@forkq.job(queue="cq", unique_for=60, name="chain_test.unique")
+def unique_job(n: int) -> None:
+    pass
+
+
+@pytest.fixture
+def client(redis_url):
+    calls.clear()
+    failures.clear()
+    c = forkq.configure(redis_url)
+    try:
+        yield c
+    finally:
+        forkq.client._default = None
+
+
+worker = hand_driven_fixture("cq", "test:1:chain0000000a")
+
+
+def inflight(r, worker) -> int:
+    return r.hlen(worker.fetch.inflight_key)
+
+
+def dead(r) -> list[dict]:
+    return [json.loads(m) for m in r.zrange("dead", 0, -1)]
+
+
+def retry_now(r, key: str = "retry") -> None:
+    """Move a sorted set's jobs back onto their queue, as the poller (or a retry from
+    dead) does."""
+    for raw in r.zrange(key, 0, -1):
+        r.zrem(key, raw)
+        job = json.loads(raw)
+        r.lpush(f"queue:{job['queue']}", raw)
+
+
+def test_steps_run_in_order_each_once_and_each_ack_goes_with_the_next_push(client, r, worker):
+    jids = forkq.chain(step.call("a"), step.call("b", 1), kept.call(3)).enqueue()
+    assert len(jids) == 3 and len(set(jids)) == 3
+    (first,) = queued(r, "cq")
+    assert first["jid"] == jids[0] and first["args"] == ["a"]
+    assert [s["jid"] for s in first["forkq_chain"]] == jids[1:]
+    assert [s["args"] for s in first["forkq_chain"]] == [["b", 1], [3]]
+    assert "enqueued_at" not in first["forkq_chain"][0]  # set when it is pushed
+    for n, tag in enumerate(("a", "b")):
+        run_one(worker)
+        # no batched ack: the step left the in-flight hash with its successor's push
+        assert inflight(r, worker) == 0
+        assert worker.fetch.pending_acks() == 0
+        (nxt,) = queued(r, "cq")
+        assert nxt["jid"] == jids[n + 1] and time.time() - nxt["enqueued_at"] < 5
+        assert len(nxt.get("forkq_chain", [])) == 1 - n
+    run_one(worker)
+    assert calls == [["a"], ["b", 1], ["kept", 3]]
+    assert queued(r, "cq") == [] and forkq.result(jids[2], client=client) == 6
+    worker.fetch.fetch(0)  # the last step has no chain: acked as any job, batched
+    assert inflight(r, worker) == 0 and r.keys("queue:*") == []
+
+
+def test_a_kept_result_goes_in_the_same_call_as_the_next_push(client, r, worker):
+    jids = forkq.chain(kept.call(4), step.call("z")).enqueue()
+    run_one(worker)
+    assert forkq.result(jids[0], client=client) == 8
+    assert [j["jid"] for j in queued(r, "cq")] == [jids[1]] and inflight(r, worker) == 0
+
+
+def test_a_failing_middle_step_retries_then_the_chain_goes_on(client, r, worker):
+    jids = forkq.chain(step.call("a"), flaky.call("f"), step.call("c")).enqueue()
+    run_one(worker)
+    run_one(worker)  # flaky fails: its payload, chain included, goes to retry
+    (entry,) = [json.loads(m) for m in r.zrange("retry", 0, -1)]
+    assert entry["jid"] == jids[1] and [s["jid"] for s in entry["forkq_chain"]] == [jids[2]]
+    assert queued(r, "cq") == []
+    retry_now(r)
+    run_one(worker)
+    run_one(worker)
+    assert calls == [["a"], ["flaky", "f"], ["c"]]
+
+
+def test_a_step_that_dies_keeps_the_rest_in_dead_and_a_retry_from_there_goes_on(client, r, worker):
+    jids = forkq.chain(dies.call("d"), step.call("b"), step.call("c")).enqueue()
+    run_one(worker)
+    (entry,) = dead(r)
+    assert entry["jid"] == jids[0]
+    assert [s["jid"] for s in entry["forkq_chain"]] == jids[1:]
+    assert queued(r, "cq") == [] and inflight(r, worker) == 0
+    retry_now(r, "dead")
+    for _ in range(3):
+        run_one(worker)
+    assert calls == [["dies", "d"], ["dies", "d"], ["b"], ["c"]]
+    assert queued(r, "cq") == [] and dead(r) == []
+
+
+def test_a_dropped_step_ends_the_chain_and_says_so(client, r, worker, monkeypatch):
+    jids = forkq.chain(dropped.call("x"), step.call("never")).enqueue()
+    with structlog.testing.capture_logs() as logged:
+        # a logger made under capture_logs: the module's may be cached by an earlier test
+        monkeypatch.setattr(chains, "log", structlog.get_logger("forkq.chain"))
+        run_one(worker)
+    assert queued(r, "cq") == [] and dead(r) == [] and r.zcard("retry") == 0
+    assert calls == []
+    (line,) = [e for e in logged if "chain ended" in e["event"]]
+    assert "dropped" in line["event"] and line["jid"] == jids[0] and line["left"] == 1
+
+
+def test_another_client_s_unique_chained_job_releases_its_lock_with_the_next_push(client, r, worker):
+    nxt = {"class": "chain_test.step", "args": ["b"], "jid": "0" * 24, "queue": "cq", "retry": True}
+    client.push("chain_test.step", ["a"], queue="cq", unique_for=60, forkq_chain=[nxt])
+    assert len(r.keys("unique:*")) == 1
+    run_one(worker)
+    assert r.keys("unique:*") == [] and inflight(r, worker) == 0
+    assert [j["jid"] for j in queued(r, "cq")] == ["0" * 24]
+
+
+def test_a_crash_after_the_step_pushes_its_successor_once(client, r, worker):
+    """The master's recovery of a SIGKILLed child finds nothing of a step that succeeded:
+    its in-flight entry went in the call that pushed its successor. (Acked in the batched
+    way, it would sit there until the next claim, be put back, run again and push the
+    next step a second time.) The same call repeated, as after a lost reply, pushes
+    nothing more."""
+    jids = forkq.chain(step.call("a"), step.call("b")).enqueue()
+    (unit,) = worker.fetch.fetch(1)
+    token = unit.token
+    worker.processors[0].process(unit)
+    # no ack queued: nothing to lose in the crash
+    assert worker.fetch.pending_acks() == 0
+    put_back = requeue_owner_counts(r, worker.fetch.identity, ["cq"], crashed=True)
+    assert put_back.requeued == 0
+    assert [j["jid"] for j in queued(r, "cq")] == [jids[1]]
+    outcomes = worker.processors[0].outcomes
+    again = chains._write(outcomes, token, None, None, [keys.QUEUES, keys.queue("cq")],
+                          ["push", "cq", b'{"class":"x","args":[]}', 0, 0], ())
+    assert again == 0 and len(queued(r, "cq")) == 1
+
+
+def test_a_step_put_back_before_it_ended_pushes_its_successor_when_it_runs_again(client, r, worker):
+    jids = forkq.chain(step.call("a"), step.call("b")).enqueue()
+    (unit,) = worker.fetch.fetch(1)
+    # recovery got there first (the child looked dead): the step is back on its queue
+    assert requeue_owner_counts(r, worker.fetch.identity, ["cq"], crashed=False).requeued == 1
+    worker.processors[0].process(unit)  # the first run ends after all
+    assert [j["jid"] for j in queued(r, "cq")] == [jids[0]]  # no successor yet
+    run_one(worker)
+    run_one(worker)
+    assert calls == [["a"], ["a"], ["b"]]
+
+
+def test_a_graceful_stop_hands_nothing_over_for_a_chained_step(client, r, worker):
+    jids = forkq.chain(step.call("a"), step.call("b")).enqueue()
+    run_one(worker)
+    assert worker.fetch.unsent_acks() == []
+    worker.fetch.requeue_all()  # what a stopping child does last
+    assert [j["jid"] for j in queued(r, "cq")] == [jids[1]]
+    assert calls == [["a"]]
+
+
+def test_refused_builds_push_nothing(client, r):
+    with pytest.raises(ValueError, match="at least one step"):
+        forkq.chain()
+    with pytest.raises(TypeError, match=r"step 1 .*forkq.call names no job"):
+        forkq.chain(step.call("a"), forkq.call("b"))
+    with pytest.raises(TypeError, match="step 0 of the chain is"):
+        forkq.chain(step)
+    with pytest.raises(TypeError, match=r"step 1 of the chain: .*add takes 2 positional"):
+        forkq.chain(step.call("a"), add.call(1))
+    with pytest.raises(TypeError, match=r"step 0 of the chain: job argument args\[0\]"):
+        forkq.chain(step.call(object()))
+    with pytest.raises(ValueError, match="unique"):
+        forkq.chain(step.call("a"), unique_job.call(1))
+    with pytest.raises(ValueError, match="unique"):
+        forkq.chain(step.options(unique_for=5).call("a"))
+    with pytest.raises(ValueError, match="queue"):
+        forkq.chain(step.options(queue="").call("a"))
+    with pytest.raises(TypeError, match="pass_result"):
+        forkq.chain(step.call("a"), pass_result=1)
+    # with pass_result, a later step gets one argument more: add(1) takes the result
+    forkq.chain(step.call("a"), add.call(1), pass_result=True)
+    with pytest.raises(TypeError, match="step 1 of the chain"):
+        forkq.chain(step.call("a"), add.call(1, 2), pass_result=True)
+    other = forkq.Client(client.url)
+    with pytest.raises(ValueError, match="one client"):
+        forkq.chain(step.call("a"), step.options(client=other).call("b"))
+    with pytest.raises(ValueError, match="batch"):
+        with forkq.Batch():
+            forkq.chain(step.call("a")).enqueue()
+    assert r.keys("queue:*") == [] and r.zcard("schedule") == 0
+
+
+def test_client_middleware_sees_each_step_and_may_not_skip_one(redis_url, r):
+    seen = []
+
+    def tag(job):
+        seen.append(job["args"])
+        job["tagged"] = True
+        return None if job["args"] == ["skip"] else job
+
+    c = forkq.Client(redis_url, middleware=[tag])
+    jids = forkq.chain(step.options(client=c).call("a"), step.options(client=c).call("b")).enqueue()
+    (first,) = queued(r, "cq")
+    assert seen == [["a"], ["b"]] and first["tagged"] and first["forkq_chain"][0]["tagged"]
+    assert [first["jid"], first["forkq_chain"][0]["jid"]] == jids
+    r.delete("queue:cq")
+    with pytest.raises(ValueError, match="dropped step 1"):
+        forkq.chain(step.options(client=c).call("a"), step.options(client=c).call("skip")).enqueue()
+    assert forkq.chain(step.options(client=c).call("skip"), step.options(client=c).call("b")).enqueue() == []
+    assert r.keys("queue:*") == []
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("x", "not a non-empty list"),
+    ([], "not a non-empty list"),
+    ([1], r"forkq_chain\[0\] is not an object"),
+    ([{"args": []}], r"forkq_chain\[0\] has no 'class'"),
+    ([{"class": "chain_test.step", "args": ["b"], "jid": "j2", "queue": "cq"}, {"class": "y"}],
+     r"forkq_chain\[1\] 'args'"),
+    ([{"class": "chain_test.step", "args": ["b"], "jid": "j2", "queue": ""}], "queue"),
+])
+def test_a_malformed_continuation_goes_to_dead_and_the_step_is_acked(client, r, worker, bad, why):
+    client.push("chain_test.kept", [5], queue="cq", keep_result=60, forkq_chain=bad)
+    run_one(worker)
+    assert inflight(r, worker) == 0 and worker.fetch.pending_acks() == 0
+    assert queued(r, "cq") == [] and calls == [["kept", 5]]
+    (entry,) = dead(r)
+    assert entry["class"] == "forkq.MalformedJob" and entry["queue"] == "forkq-malformed"
+    assert entry["error_class"] == "forkq.ChainBroken"
+    assert "chain_test.kept" in entry["error_message"]
+    assert re.search(why, entry["error_message"])
+    assert json.loads(entry["forkq_original"]) == bad
+    (kept_jid,) = [k.decode().rpartition(":")[2] for k in r.keys("forkq:result:*")]
+    assert forkq.result(kept_jid, client=client) == 10  # the step's success stands
+
+
+def test_a_next_queue_key_that_is_no_list_parks_the_continuation_in_dead(client, r, worker):
+    r.set("queue:elsewhere", "x")
+    forkq.chain(step.call("a"), step.options(queue="elsewhere").call("b")).enqueue()
+    run_one(worker)
+    assert inflight(r, worker) == 0 and worker.fetch.pending_acks() == 0
+    (entry,) = dead(r)
+    assert "holds something other than a list" in entry["error_message"]
+    assert json.loads(entry["forkq_original"])[0]["args"] == ["b"]
+
+
+def test_pass_result_appends_the_value_and_an_unstorable_one_goes_to_dead(client, r, worker):
+    jids = forkq.chain(add.call(1, 2), add.call(10), step.call("s"), pass_result=True).enqueue()
+    for _ in range(3):
+        run_one(worker)
+    assert calls == [["add", 1, 2], ["add", 10, 3], ["s", 13]]
+    assert r.keys("queue:*") == []
+    calls.clear()
+    forkq.chain(when.call(), step.call("t"), pass_result=True).enqueue()
+    run_one(worker)
+    assert inflight(r, worker) == 0 and queued(r, "cq") == [] and calls == []
+    (entry,) = dead(r)
+    assert "not JSON-native" in entry["error_message"] and "module" in entry["error_message"]
+    assert jids
+
+
+def test_a_later_step_s_expires_in_counts_from_its_own_push(client, r, worker):
+    forkq.chain(step.call("a"), step.options(expires_in=60).call("b")).enqueue()
+    (first,) = queued(r, "cq")
+    assert first["forkq_chain"][0]["expires_in"] == 60 and "expires_at" not in first["forkq_chain"][0]
+    time.sleep(0.01)
+    run_one(worker)
+    (nxt,) = queued(r, "cq")
+    assert "expires_in" not in nxt and nxt["expires_at"] == pytest.approx(nxt["enqueued_at"] + 60)
+
+
+def test_a_scheduled_chain_waits_in_the_schedule_whole(client, r):
+    jids = forkq.chain(step.call("a"), step.call("b")).enqueue_in(60)
+    ((raw, at),) = r.zrange("schedule", 0, -1, withscores=True)
+    job = json.loads(raw)
+    assert job["jid"] == jids[0] and job["forkq_chain"][0]["jid"] == jids[1]
+    assert at == pytest.approx(time.time() + 60, abs=5)
+    forkq.chain(step.call("c")).enqueue_at(time.time() + 120)
+    assert r.zcard("schedule") == 2
+
+
+def test_test_modes_run_the_steps_in_order(client, r):
+    with testing.inline():
+        forkq.chain(add.call(1, 2), add.call(4), pass_result=True).enqueue()
+    assert calls == [["add", 1, 2], ["add", 4, 3]]
+    calls.clear()
+    with testing.fake() as jobs:
+        jids = forkq.chain(step.call("a"), step.call("b"), kept.call(2)).enqueue()
+        assert [j["jid"] for j in jobs] == jids[:1]
+        assert jobs.drain() == 3
+        assert forkq.result(jids[2]) == 4
+    assert calls == [["a"], ["b"], ["kept", 2]]
+    assert r.keys("queue:*") == [] and r.keys("forkq:result:*") == []
+
+
+def _sup_job(name: str, fn):
+    return forkq.jobs.lookup(name) or forkq.job(name=name, retry=0)(fn)
+
+
+@pytest.mark.timeout(60)
+def test_a_real_master_runs_a_chain_once_through_a_sigkill(start_master, redis_url, r):
+    """A step's child is SIGKILLed while the step runs: the step runs again in the child
+    that replaces it, and each step after it runs once, in order."""
+    def sleep_job(tag, seconds):
+        pass
+
+    def quick_job(tag):
+        pass
+
+    sleep = _sup_job("sup.sleep", sleep_job)
+    quick = _sup_job("sup.quick", quick_job)
+    m = start_master(processes=2, concurrency=1)
+    m.wait_slots()
+    pusher = forkq.Client(redis_url)
+    forkq.chain(sleep.options(client=pusher).call("first", 0.05),
+                sleep.options(client=pusher).call("victim", 2.0),
+                quick.options(client=pusher).call("third"),
+                quick.options(client=pusher).call("fourth")).enqueue()
+    (start,) = wait_event(r, m, "start", "victim")
+    os.kill(start["pid"], signal.SIGKILL)
+    wait_event(r, m, "done", "fourth", timeout=20)
+    done = [e["tag"] for e in sup_events(r, "done")]
+    assert done == ["first", "victim", "third", "fourth"]
+    assert len(sup_events(r, "start", "victim")) == 2
+    wait_until(lambda: r.llen("queue:default") == 0, timeout=5)
+    assert dead(r) == [] and r.zcard("retry") == 0
