@@ -245,8 +245,10 @@ def advance(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[st
                "holds something other than a list")
         return _bury(manager, outcomes, unit, job, rest, why, step.keep, element, after, now)
     if done == 0:
-        log.warning("a chained step succeeded but was no longer in flight (put back by a "
-                    "recovery): its next step is pushed when it runs again", jid=job.get("jid"))
+        # the call repeated after its reply was lost (its first went through), or the step
+        # was put back by a recovery, and pushes its next step when it runs again
+        log.warning("a chained step succeeded but was no longer in flight: its next step was "
+                    "pushed already, or is pushed when it runs again", jid=job.get("jid"))
         return "gone"
     return "next"
 
