@@ -160,29 +160,41 @@ def heartbeats(conn: redis.Redis) -> list[dict[str, Any]]:
     pipe = conn.pipeline(transaction=False)
     for m in members:
         pipe.hgetall(m)
-    out = []
     now = time.time()
     # raise_on_error=False: a member whose key is not a hash (WRONGTYPE) is skipped, not fatal
-    for m, h in zip(members, pipe.execute(raise_on_error=False)):
-        if not isinstance(h, dict) or not h:
-            continue
-        try:
-            info = json.loads(h.get(b"info", b"{}"))
-        except ValueError:
-            info = {}
-        if not isinstance(info, dict):  # a heartbeat written by something else: show what parses
-            info = {}
-        beat = _number(h.get(b"beat"), float)
-        out.append({"identity": m.decode("utf-8", "replace"), "info": info,
-                    "busy": _number(h.get(b"busy"), int), "quiet": h.get(b"quiet") == b"true",
-                    "rss_kb": _number(h.get(b"rss"), int),
-                    # Sidekiq 8.1.2+ keeps its thread count here and no longer in info
-                    "concurrency": _number(h.get(b"concurrency"), int) or None,
-                    "beat_age": now - beat if beat and math.isfinite(beat) else None,
-                    # the paused queues this process honours (forkq's own field; see pause.py);
-                    # None from a process that never reads pauses (Sidekiq, an older forkq)
-                    "paused": _names(h[b"forkq_paused"]) if b"forkq_paused" in h else None})
-    return out
+    return [hb for m, h in zip(members, pipe.execute(raise_on_error=False))
+            if (hb := parse_heartbeat(m, h, now)) is not None]
+
+
+def heartbeat(conn: redis.Redis, identity: str) -> dict[str, Any] | None:
+    """One process's heartbeat, parsed as heartbeats() parses each; None when it has none
+    (stopped, or silent for HEARTBEAT_TTL_S)."""
+    try:
+        h = conn.hgetall(identity)
+    except redis.ResponseError:  # not a hash
+        return None
+    return parse_heartbeat(identity.encode(), h, time.time())
+
+
+def parse_heartbeat(member: bytes, h: Any, now: float) -> dict[str, Any] | None:
+    if not isinstance(h, dict) or not h:
+        return None
+    try:
+        info = json.loads(h.get(b"info", b"{}"))
+    except ValueError:
+        info = {}
+    if not isinstance(info, dict):  # a heartbeat written by something else: show what parses
+        info = {}
+    beat = _number(h.get(b"beat"), float)
+    return {"identity": member.decode("utf-8", "replace"), "info": info,
+            "busy": _number(h.get(b"busy"), int), "quiet": h.get(b"quiet") == b"true",
+            "rss_kb": _number(h.get(b"rss"), int),
+            # Sidekiq 8.1.2+ keeps its thread count here and no longer in info
+            "concurrency": _number(h.get(b"concurrency"), int) or None,
+            "beat_age": now - beat if beat and math.isfinite(beat) else None,
+            # the paused queues this process honours (forkq's own field; see pause.py);
+            # None from a process that never reads pauses (Sidekiq, an older forkq)
+            "paused": _names(h[b"forkq_paused"]) if b"forkq_paused" in h else None}
 
 
 def _names(raw: bytes | None) -> list[str]:

@@ -1,0 +1,452 @@
+"""Finding a job by its jid, and cancelling it wherever it is (`forkq job`, `forkq cancel`,
+`forkq.api.locate`, `forkq.api.cancel`).
+
+A cancel first writes a request under keys.CANCEL, then looks for the job. A job that
+waits (on its queue, among its queue's crash suspects, in the schedule or the retry set)
+is moved to `dead` by one script that also ends it (its unique lock released, its batch
+told it failed, its keep_result failure kept) and deletes the request. A job running on a
+forkq process is the worker's to stop: at each heartbeat a process reads the requests for
+the jobs it runs, interrupts them with forkq.JobCancelled and deletes the request when it
+writes the job to `dead`. Written before the search, the request also catches a job that a
+worker claims while the search goes on.
+
+Nothing big travels to the client: a queue is scanned by a script, 10,000 entries a call,
+that returns only the match; the sorted sets are read in pages by api.SortedSet.find.
+Queues come from the `queues` set (no SCAN or KEYS, which an ACL may forbid), processes from
+`processes`, in-flight hashes from the owners registry.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+
+from . import control, keys, payload, results, scripts
+from .errors import MalformedPayload
+
+SCAN_CHUNK = 10_000  # list entries one script call looks at
+PRUNE_AFTER_S = 24 * 3600  # a request older than this is pruned when another is written
+PRUNE_SAMPLE = 20  # requests one write looks at for pruning
+AGAIN_S = 1.0  # how long a job found nowhere is looked for again (in transit between keys)
+CANCELLED_CLASS = "forkq.JobCancelled"
+
+WAITING = ("queued", "suspect", "scheduled", "retry")
+STATES = ("removed", "cancelled", "finished", "not_found", "not_forkq", "pending")
+
+
+def check_jid(jid: Any) -> str:
+    """The jid, or a ValueError/TypeError saying why it cannot be one."""
+    if not isinstance(jid, str):
+        raise TypeError(f"a jid must be a str, not {type(jid).__name__}")
+    if not jid or len(jid) > 1000 or any(c in jid for c in "\n\r\"\\"):
+        raise ValueError(f"not a jid: {jid[:100]!r}")
+    return jid
+
+
+def message(by: str | None, reason: str | None) -> str:
+    """The error_message of a cancelled job in `dead` (the worker side writes the same)."""
+    text = f"cancelled by {by or 'an operator'}"
+    return f"{text}: {reason}" if reason else text
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a job is. `state` is one of queued, suspect (a crash suspect of `queue`),
+    scheduled, retry, running (in a process's running jobs), claimed (in a forkq process's
+    in-flight hash, not yet or no longer shown as running), dead, finished (a kept
+    keep_result outcome) or not_found."""
+    state: str
+    jid: str
+    queue: str | None = None
+    position: int | None = None  # queued / suspect: 0 runs next
+    at: float | None = None  # scheduled / retry: due; running: since; dead: when it died
+    retry_count: int | None = None
+    error: str | None = None  # retry / dead: "Class: message"
+    identity: str | None = None  # running / claimed: the process
+    host: str | None = None
+    pid: int | None = None
+    forkq: bool | None = None  # running: whether that process reads cancel requests
+    result: dict[str, Any] | None = None  # finished: the kept element
+    job: dict[str, Any] | None = None
+    raw: bytes | None = field(default=None, repr=False)  # the exact entry, to remove it
+
+    def describe(self) -> str:
+        """One line for people."""
+        s = self.state
+        if s == "queued":
+            return f"waiting on queue {self.queue}, position {self.position} (0 runs next)"
+        if s == "suspect":
+            return f"a crash suspect of queue {self.queue}, position {self.position} (0 runs next)"
+        if s == "scheduled":
+            return f"scheduled for {_utc(self.at)}"
+        if s == "retry":
+            return (f"in the retry set: {self.retry_count} retries so far, next at {_utc(self.at)}, "
+                    f"last error {self.error}")
+        if s == "running":
+            who = f"{self.host} pid {self.pid}" if self.host else "a process"
+            kind = "" if self.forkq else " (not forkq: it does not read cancel requests)"
+            return f"running on {who} ({self.identity}) since {_utc(self.at)}{kind}"
+        if s == "claimed":
+            return f"claimed by forkq process {self.identity} (starting, or just ended)"
+        if s == "dead":
+            return f"in the dead set since {_utc(self.at)}: {self.error}"
+        if s == "finished":
+            r = self.result or {}
+            if "failed" in r:
+                return f"finished: {r.get('failed')}, {r.get('error_class')}: {r.get('error_message')}"
+            return "finished: succeeded" + (" (its value was not storable)" if "unstorable" in r else "")
+        return "not found (never pushed, ended without keep_result, or expired)"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("raw")
+        out["description"] = self.describe()
+        return out
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What cancel() did: `state` is one of STATES, `where` the job's last location."""
+    state: str
+    jid: str
+    where: Location
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"jid": self.jid, "state": self.state, "detail": self.detail,
+                "where": self.where.to_dict()}
+
+
+def _utc(stamp: float | None) -> str:
+    if stamp is None:
+        return "?"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(stamp))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def _parse(raw: bytes | str) -> dict[str, Any] | None:
+    try:
+        return payload.parse(raw)
+    except MalformedPayload:
+        return None
+
+
+def _error(job: dict[str, Any] | None) -> str | None:
+    if not job or "error_class" not in job:
+        return None
+    return f"{job.get('error_class')}: {job.get('error_message')}"
+
+
+# -- locate -----------------------------------------------------------------------------
+
+
+def locate(conn: redis.Redis, jid: str) -> Location:
+    """Where the job with this jid is now. Looked for in the order jobs travel (schedule,
+    retry, queues, processes), so one moving forward meanwhile is found further on; then
+    `dead` and a kept result. A job moving back (a failure to retry) may be missed: look
+    again. Payloads must carry the jid as plain text (as every Sidekiq client writes it)."""
+    check_jid(jid)
+    from . import api
+    for name, state in ((keys.SCHEDULE, "scheduled"), (keys.RETRY, "retry")):
+        entry = api.SortedSet(conn, name).find(jid)
+        if entry is not None:
+            return Location(state, jid, entry.queue, at=entry.score,
+                            retry_count=_int(entry.job, "retry_count"), error=_error(entry.job),
+                            job=entry.job, raw=entry.raw)
+    found = _in_queues(conn, jid) or _running(conn, jid)
+    if found is not None:
+        return found
+    entry = api.SortedSet(conn, keys.DEAD).find(jid)
+    if entry is not None:
+        return Location("dead", jid, entry.queue, at=entry.score, error=_error(entry.job),
+                        retry_count=_int(entry.job, "retry_count"), job=entry.job, raw=entry.raw)
+    kept = conn.lindex(keys.result(jid), 0)
+    if kept is not None:
+        try:
+            element = json.loads(kept)
+        except ValueError:
+            element = None
+        return Location("finished", jid, result=element if isinstance(element, dict) else {})
+    return Location("not_found", jid)
+
+
+def _int(job: dict[str, Any] | None, name: str) -> int | None:
+    value = (job or {}).get(name)
+    return value if type(value) is int else None
+
+
+def scan_list(conn: redis.Redis, key: str, jid: str,
+              chunk: int = SCAN_CHUNK) -> tuple[int, int, bytes] | None:
+    """(index from the left, length, raw) of the first entry of list `key` whose payload
+    has this jid, a script call per `chunk` entries, each returning only a match."""
+    find = scripts.load(conn, "find_jid")
+    start = 0
+    while True:
+        found, start, length, *raw = find(keys=[key], args=["list", jid, start, chunk])
+        if found >= 0:
+            return int(found), int(length), raw[0]
+        if start >= length:
+            return None
+
+
+def _in_queues(conn: redis.Redis, jid: str) -> Location | None:
+    pipe = conn.pipeline(transaction=False)
+    pipe.smembers(keys.QUEUES)
+    pipe.hkeys(keys.PAUSED)
+    listed, paused = pipe.execute()
+    for name in sorted({_text(n) for n in listed} | {_text(n) for n in paused}):
+        # suspects first: a worker takes them before the queue
+        for key, state in ((keys.suspects(name), "suspect"), (keys.queue(name), "queued")):
+            try:
+                hit = scan_list(conn, key, jid)
+            except redis.ResponseError as exc:
+                if "WRONGTYPE" not in str(exc):
+                    raise
+                continue  # not a list: no job of ours is there
+            if hit is not None:
+                index, length, raw = hit
+                job = _parse(raw)
+                return Location(state, jid, name, position=length - 1 - index,
+                                retry_count=_int(job, "retry_count"), error=_error(job),
+                                job=job, raw=raw)
+    return None
+
+
+def running_on(conn: redis.Redis, jid: str,
+               identities: list[str]) -> dict[str, tuple[str, bytes | str]]:
+    """identity -> ("work", entry) or ("inflight", entry) for each of these processes that
+    shows the job in its running jobs (either Sidekiq name of the hash) or, for a forkq
+    process, in its in-flight hash. One round trip."""
+    find = scripts.load(conn, "find_jid")
+    pipe = conn.pipeline(transaction=False)
+    for identity in identities:
+        find(keys=[keys.work(identity), keys.workers(identity)], args=["work", jid], client=pipe)
+        find(keys=[keys.inflight(identity)], args=["inflight", jid], client=pipe)
+    replies = pipe.execute()
+    out: dict[str, tuple[str, bytes | str]] = {}
+    for i, identity in enumerate(identities):
+        work, inflight = replies[2 * i], replies[2 * i + 1]
+        if work:
+            out[identity] = ("work", work[1])
+        elif inflight:
+            out[identity] = ("inflight", inflight[1])
+    return out
+
+
+def _running(conn: redis.Redis, jid: str) -> Location | None:
+    pipe = conn.pipeline(transaction=False)
+    pipe.smembers(keys.PROCESSES)
+    pipe.hkeys(keys.OWNERS)
+    members, owners = pipe.execute()
+    identities = sorted({_text(m) for m in members} | {_text(o) for o in owners})
+    if not identities:
+        return None
+    hits = running_on(conn, jid, identities)
+    # a process showing it as running wins over one that holds it in flight
+    for identity, (kind, value) in sorted(hits.items(), key=lambda h: h[1][0] != "work"):
+        return _where_running(conn, jid, identity, kind, value)
+    return None
+
+
+def _where_running(conn: redis.Redis, jid: str, identity: str, kind: str,
+                   value: bytes | str) -> Location:
+    from . import api
+    hb = control.heartbeat(conn, identity)
+    info = hb["info"] if hb else {}
+    host = info.get("hostname") if isinstance(info.get("hostname"), str) else None
+    pid = info.get("pid") if type(info.get("pid")) is int else None
+    if kind == "inflight":
+        name, _, raw = _text(value).partition("\n")
+        return Location("claimed", jid, name, identity=identity, host=host, pid=pid, forkq=True,
+                        job=_parse(raw))
+    entry = api._running_entry(identity, b"", value)
+    return Location("running", jid, entry.queue, at=entry.run_at, identity=identity, host=host,
+                    pid=pid, forkq=hb is not None and reads_cancels(hb), job=entry.job)
+
+
+def reads_cancels(hb: dict[str, Any]) -> bool:
+    """Whether the process of this heartbeat (control.heartbeat) acts on cancel requests:
+    forkq processes do, and tell themselves apart from Ruby Sidekiq by the `forkq_paused`
+    field they write (see pause.py); Sidekiq never reads forkq:cancel."""
+    return hb["paused"] is not None
+
+
+# -- cancel -----------------------------------------------------------------------------
+
+
+def request(conn: redis.Redis, jid: str, reason: str | None, by: str | None,
+            now: float | None = None) -> tuple[bool, dict[str, Any]]:
+    """Write the request unless one stands (HSETNX: the first one's by and reason stay);
+    prunes a sample of requests older than PRUNE_AFTER_S. (written, the standing request)."""
+    now = time.time() if now is None else now
+    record = json.dumps({"at": now, "by": by, "reason": reason})
+    wrote, standing, _ = scripts.load(conn, "cancel_request")(
+        keys=[keys.CANCEL], args=[jid, record, now - PRUNE_AFTER_S, PRUNE_SAMPLE])
+    try:
+        current = json.loads(standing) if standing is not None else {}
+    except ValueError:
+        current = {}
+    return bool(wrote), current if isinstance(current, dict) else {}
+
+
+def remove_waiting(conn: redis.Redis, where: Location, text: str, now: float | None = None) -> bool:
+    """Move a waiting job (queued, suspect, scheduled, retry) to `dead` as cancelled, ended
+    as a kill ends it (unique lock released, batch failure counted, keep_result failure
+    kept), and delete its cancel request, all in one script call. False when the entry
+    was no longer there (claimed, moved or deleted meanwhile): nothing was written."""
+    from . import api
+    assert where.state in WAITING and where.raw is not None
+    now = time.time() if now is None else now
+    job = dict(where.job) if where.job is not None else None
+    if job is None:  # unparseable: kept as its bytes, as a poison job is
+        dead_raw: bytes | str = where.raw
+    else:
+        job.update(error_class=CANCELLED_CLASS, error_message=text, failed_at=now)
+        try:
+            dead_raw = payload.dumps(job)
+        except ValueError:  # NaN that json.loads let in: kept as it was
+            dead_raw = where.raw
+    if where.state in ("queued", "suspect"):
+        source, kind = (keys.queue(where.queue) if where.state == "queued"
+                        else keys.suspects(where.queue)), "list"
+    else:
+        source, kind = (keys.SCHEDULE if where.state == "scheduled" else keys.RETRY), "zset"
+    entry = api.Entry(where.raw, 0.0, where.job)
+    lock = api._lock(entry)
+    in_batch = api._batch_of(entry)
+    failure = json.dumps({"error_class": CANCELLED_CLASS, "error_message": text, "fate": "dead",
+                          "at": now})
+    args: list[Any] = [dead_raw, now, where.raw, kind, now - keys.DEAD_TIMEOUT_S,
+                       keys.DEAD_MAX_JOBS, lock[0] if lock else "", where.jid,
+                       in_batch[0] if in_batch else "", failure]
+    script_keys = [keys.DEAD, source, keys.CANCEL]
+    keep = results.target(job) if job is not None else None
+    if keep is not None and keep[0] == where.jid:
+        script_keys.append(keys.result(where.jid))
+        args += [results.failure("dead", CANCELLED_CLASS, text), keep[1]]
+    return bool(scripts.load(conn, "to_dead")(keys=script_keys, args=args))
+
+
+def cancel(conn: redis.Redis, jid: str, reason: str | None = None, by: str | None = None,
+           wait: float = 30.0, poll: float = 0.25) -> Outcome:
+    """Cancel the job with this jid wherever it is; see Outcome and the README's
+    "Cancelling a job". A waiting job is moved to `dead` at once ("removed"). A job running
+    on forkq processes is waited for up to `wait` seconds: "cancelled" once the worker has
+    stopped it (the request is gone), "finished" if it ended by itself first, "pending"
+    if neither happened in time (the request stays: the worker acts on it when it sees
+    it). A job on a process that does not read requests (Ruby Sidekiq) is "not_forkq",
+    one found nowhere or already dead "not_found"; the request is deleted in those cases."""
+    check_jid(jid)
+    if reason is not None and not isinstance(reason, str):
+        raise TypeError(f"reason must be a str or None, not {type(reason).__name__}")
+    if by is not None and not isinstance(by, str):
+        raise TypeError(f"by must be a str or None, not {type(by).__name__}")
+    if not wait >= 0:
+        raise ValueError(f"wait must be 0 or more seconds, not {wait!r}")
+    _, standing = request(conn, jid, reason, by)
+    text = message(_str(standing.get("by")), _str(standing.get("reason")))
+    deadline = time.monotonic() + wait
+    return _Canceller(conn, jid, text, deadline, poll).run()
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+class _Canceller:
+    """One cancel's search and wait (see cancel())."""
+
+    def __init__(self, conn: redis.Redis, jid: str, text: str, deadline: float, poll: float) -> None:
+        self.redis = conn
+        self.jid = jid
+        self.text = text
+        self.deadline = deadline
+        self.poll = poll
+        # processes seen running it -> the heartbeat `beat` values seen since (see _wait)
+        self.watch: dict[str, list[bytes | None]] = {}
+
+    def _done(self, state: str, where: Location, detail: str, drop: bool = True) -> Outcome:
+        if drop:
+            self.redis.hdel(keys.CANCEL, self.jid)
+        return Outcome(state, self.jid, where, detail)
+
+    def run(self) -> Outcome:
+        missing_until: float | None = None
+        while True:
+            where = locate(self.redis, self.jid)
+            if where.state in WAITING:
+                if remove_waiting(self.redis, where, self.text):
+                    return Outcome("removed", self.jid, where,
+                                   f"was {where.describe()}; moved to the dead set")
+                continue  # claimed or moved meanwhile: find it again
+            if where.state == "running" and not where.forkq:
+                return self._done("not_forkq", where,
+                                  f"{where.describe()}; it cannot be stopped from here")
+            if where.state in ("running", "claimed"):
+                outcome = self._wait(where)
+                if outcome is not None:
+                    return outcome
+                continue  # left the processes watched, not ended: find it again
+            if self.watch and not self.redis.hexists(keys.CANCEL, self.jid):
+                # a worker stopped it while this looked elsewhere
+                return Outcome("cancelled", self.jid, where, f"stopped by its worker; now {where.describe()}")
+            if self.watch:
+                return self._done("finished", where, f"it ended before the cancel reached it; now "
+                                                     f"{where.describe()}")
+            if where.state == "dead":
+                return self._done("not_found", where, f"nothing to cancel: {where.describe()}")
+            if where.state == "finished":
+                return self._done("finished", where, f"nothing to cancel: {where.describe()}")
+            # found nowhere: it may be between two keys (claimed, landing, moving due)
+            now = time.monotonic()
+            if missing_until is None:
+                missing_until = now + AGAIN_S
+            if now >= missing_until:
+                return self._done("not_found", where, "no job with this jid in any queue, set "
+                                                      "or process")
+            time.sleep(0.1)
+
+    def _wait(self, where: Location) -> Outcome | None:
+        """Wait for the worker to act on the request, polling the processes seen running the
+        job. None once it is on none of them and each has beaten twice since it was seen
+        there without it (or stopped): the caller looks for it again, and concludes it ended
+        by itself if it finds it nowhere. Twice: a process drops a failing job from the
+        running jobs it reports just before it writes the failure, so one beat without it
+        may come from a job the worker is ending as cancelled right then."""
+        assert where.identity is not None
+        self.watch.setdefault(where.identity, [])
+        identities = list(self.watch)
+        while True:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hexists(keys.CANCEL, self.jid)
+            for identity in identities:
+                pipe.hget(identity, "beat")
+            replies = pipe.execute()
+            hits = running_on(self.redis, self.jid, identities)
+            if not replies[0]:
+                # the worker deleted it with its write to dead (see keys.CANCEL)
+                return Outcome("cancelled", self.jid, where,
+                               f"stopped by its worker (was {where.describe()}); now in the dead set")
+            for identity, beat in zip(identities, replies[1:]):
+                seen = self.watch[identity]
+                if identity in hits:
+                    seen.clear()  # still there: beats count from when it is gone
+                    seen.append(beat)
+                elif not seen or seen[-1] != beat:
+                    seen.append(beat)
+            # seen[0] is the beat at the last sight of the job (or the first poll without it)
+            if all(i not in hits and (len(self.watch[i]) >= 3 or self.watch[i][-1] is None)
+                   for i in identities):
+                return None
+            if time.monotonic() >= self.deadline:
+                return Outcome("pending", self.jid, where,
+                               f"{where.describe()}; the request stays, and its worker stops it "
+                               "at its next heartbeat")
+            time.sleep(self.poll)
