@@ -87,6 +87,18 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--wait", type=whole_number("--wait", 0, 86400), default=30, metavar="SECONDS",
                        help="wait up to this long for every live process working the queue to "
                             "report that it honours the change (default 30; 0: do not wait)")
+    p = sub.add_parser("job", parents=[common],
+                       help="where a job is now, by its jid: queue and position, schedule, retry, "
+                            "running (where), dead, finished")
+    p.add_argument("jid", help="the job's jid")
+    p = sub.add_parser("cancel", parents=[common],
+                       help="cancel jobs by jid: a waiting one goes to the dead set, a running "
+                            "one is stopped by its worker")
+    p.add_argument("jids", nargs="+", metavar="JID", help="the jobs' jids")
+    p.add_argument("--reason", help="why, kept in the job's error_message in the dead set")
+    p.add_argument("--wait", type=whole_number("--wait", 0, 86400), default=30, metavar="SECONDS",
+                   help="wait up to this long in all for workers to stop running jobs "
+                        "(default 30; 0: do not wait, the request stays for the worker)")
     p = sub.add_parser("push", parents=[common],
                        help="push one job by its name (from a shell, a deploy script, cron)")
     p.add_argument("name", type=nonempty, help="the job's name (@forkq.job's name, or a Sidekiq class)")
@@ -125,7 +137,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
 
 
 COMMANDS = ("stats", "queues", "processes", "busy", "suspects", "cron", "batch", "batches", "pause",
-            "resume", "push", *SET_ACTIONS)
+            "resume", "push", "job", "cancel", *SET_ACTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
             args.entries = _load_entries(args)  # before Redis: a bad app is no Redis matter
         if args.command == "push":
             _push_plan(args)  # all checked before Redis is asked anything
+        if args.command in ("job", "cancel"):
+            _check_jids(args)
     except ConfigError as exc:
         sys.stderr.write(f"forkq: {exc}\n")
         return 2
@@ -152,6 +166,10 @@ def run(args: argparse.Namespace) -> int:
             return _pause(conn, args)
         if args.command == "push":
             return _push(url, args)
+        if args.command == "job":
+            return _job(conn, args)
+        if args.command == "cancel":
+            return _cancel(conn, args)
         data, table = {"stats": _stats, "queues": _queues, "processes": _processes,
                        "busy": _busy, "suspects": _suspects, "cron": _cron,
                        "batches": _batches}[args.command](conn, args)
@@ -303,8 +321,6 @@ def _queues(conn, args):
 def _pause(conn, args) -> int:
     """`forkq pause QUEUE` / `forkq resume QUEUE`, then wait for the live processes that
     work it to report that they honour it: 1 if some did not in --wait seconds."""
-    import getpass
-    import socket
     from . import pause
     queue, pausing = args.queue, args.command == "pause"
     try:
@@ -313,11 +329,7 @@ def _pause(conn, args) -> int:
         sys.stderr.write(f"forkq: {exc}\n")
         return 2
     if pausing:
-        try:
-            by = f"{getpass.getuser()}@{socket.gethostname()}"
-        except Exception:  # no user name for this uid (a container): the host says enough
-            by = socket.gethostname()
-        changed = pause.pause(conn, queue, args.reason, by)
+        changed = pause.pause(conn, queue, args.reason, _by())
     else:
         changed = pause.resume(conn, queue)
     state = "paused" if pausing else "resumed"
@@ -348,6 +360,48 @@ def _pause(conn, args) -> int:
                  "unconfirmed": late, "unaware": unaware}, lines)
     return 1 if late or unaware else 0
 
+
+
+def _by() -> str:
+    """Who is acting, for a pause's or a cancel's record: user@host."""
+    import getpass
+    import socket
+    try:
+        return f"{getpass.getuser()}@{socket.gethostname()}"
+    except Exception:  # no user name for this uid (a container): the host says enough
+        return socket.gethostname()
+
+
+def _check_jids(args: argparse.Namespace) -> None:
+    from .cancel import check_jid
+    for jid in [args.jid] if args.command == "job" else args.jids:
+        try:
+            check_jid(jid)
+        except ValueError as exc:
+            raise ConfigError(_printable(str(exc))) from None
+
+
+def _job(conn, args) -> int:
+    """`forkq job JID`: where it is; 1 if it is nowhere."""
+    from . import cancel
+    where = cancel.locate(conn, args.jid)
+    _emit(args, where.to_dict(), [f"{_printable(args.jid)}: {_printable(where.describe())}"])
+    return 1 if where.state == "not_found" else 0
+
+
+def _cancel(conn, args) -> int:
+    """`forkq cancel JID...`: a line per jid; 0 only if every one was removed or stopped.
+    --wait is shared: the jobs are cancelled one after another within it."""
+    from . import cancel
+    deadline = time.monotonic() + args.wait
+    by = _by()
+    outcomes = []
+    for jid in args.jids:
+        outcomes.append(cancel.cancel(conn, jid, args.reason, by,
+                                      wait=max(0.0, deadline - time.monotonic())))
+    _emit(args, [o.to_dict() for o in outcomes],
+          [f"{_printable(o.jid)}: {o.state.replace('_', ' ')}: {_printable(o.detail)}" for o in outcomes])
+    return 0 if all(o.state in ("removed", "cancelled") for o in outcomes) else 1
 
 
 def _processes(conn, args):

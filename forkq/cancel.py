@@ -385,6 +385,11 @@ class _Canceller:
                 if remove_waiting(self.redis, where, self.text):
                     return Outcome("removed", self.jid, where,
                                    f"was {where.describe()}; moved to the dead set")
+                if time.monotonic() >= self.deadline:
+                    # it keeps moving (or its key is odd): the worker acts on the request if
+                    # it runs
+                    return Outcome("pending", self.jid, where, f"{where.describe()}, and moved "
+                                   "each time it was to be removed; the request stays")
                 continue  # claimed or moved meanwhile: find it again
             if where.state == "running" and not where.forkq:
                 return self._done("not_forkq", where,
