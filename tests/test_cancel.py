@@ -272,3 +272,38 @@ def test_job_and_cancel_commands_exit_codes_and_one_line_errors(r, redis_url, ca
     assert main(["cancel", "x", "--redis-url", "redis://127.0.0.1:1/0"]) == 1
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+
+
+# -- the dashboard ------------------------------------------------------------------------
+
+from test_web import browser, web  # noqa: E402,F401  (fixtures: one `forkq web` for this module)
+
+
+@pytest.mark.timeout(30)
+def test_dashboard_cancel_buttons_and_the_job_page(browser, r, redis_url):
+    import re
+    c = forkq.Client(redis_url)
+    queued = c.push("app.Thing", [1], queue="a")
+    scheduled = c.push("app.Thing", [2], queue="a", at=time.time() + 600)
+    _beat(r, running=_job("j-run"))
+    page = browser.get("/queues/a")
+    assert f'name="jid" value="{queued}" formaction="/cancel"' in page.text
+    assert browser.post("/cancel", {"jid": queued}, csrf="").status == 403  # no token: nothing
+    assert r.llen("queue:a") == 1
+    resp = browser.post("/cancel", {"jid": queued, "back": "/queues/a"}, csrf=page.csrf)
+    assert resp.status == 303 and resp.headers["Location"] == "/queues/a"
+    assert r.llen("queue:a") == 0 and _dead(r)[0]["error_message"].startswith("cancelled by dashboard")
+    assert "removed" in browser.get("/queues/a").text  # the flash
+    lookup = browser.get(f"/jobs/{queued}")
+    assert lookup.status == 200 and "in the dead set" in lookup.text and ">Cancel<" not in lookup.text
+    sched = browser.get("/scheduled")
+    assert f'name="jid" value="{scheduled}"' in sched.text
+    browser.post("/cancel", {"jid": scheduled}, csrf=sched.csrf)
+    assert r.zcard(keys.SCHEDULE) == 0 and r.zcard(keys.DEAD) == 2
+    busy = browser.get("/busy")
+    assert 'name="jid" value="j-run"' in busy.text
+    resp = browser.post("/cancel", {"jid": "j-run", "back": "/busy"}, csrf=busy.csrf)
+    assert resp.status == 303 and r.hexists(keys.CANCEL, "j-run")  # left for the worker
+    assert "next heartbeat" in browser.get("/busy").text
+    running = browser.get("/jobs/j-run")
+    assert "running on host-1 pid 4242" in running.text and re.search(r">\s*Cancel\s*<", running.text)

@@ -106,6 +106,7 @@ class Dashboard:
             ("GET", "/search"): lambda r: views.search(self, r),
             ("GET", "/queues"): lambda r: views.queues_page(self, r),
             ("GET", "/batches"): lambda r: views.batches_page(self, r),
+            ("POST", "/cancel"): lambda r: views.cancel_action(self, r),
             ("GET", "/login"): self.login_page,
             ("POST", "/login"): self.login,
             ("POST", "/logout"): self.logout,
@@ -116,6 +117,7 @@ class Dashboard:
             ("GET", "/queues/"): lambda r, name: views.queue_page(self, r, name),
             ("POST", "/queues/"): lambda r, name: views.queue_action(self, r, name),
             ("GET", "/batches/"): lambda r, bid: views.batch_page(self, r, bid),
+            ("GET", "/jobs/"): lambda r, jid: views.job_by_jid(self, r, jid),
         }
         for slug in views.SETS:
             self.routes[("GET", f"/{slug}")] = lambda r, s=slug: views.set_page(self, r, s)

@@ -205,6 +205,34 @@ def queue_action(dash: "Dashboard", req: Request, name: str) -> Response:
     return Response.redirect(dash.back(req, "/queues/" + quote(name)))
 
 
+def cancel_action(dash: "Dashboard", req: Request) -> Response:
+    """The Cancel buttons (Busy, a queue, Scheduled, Retries, a job's page): jid=JID. It
+    does not wait for a worker: a waiting job goes to the dead set at once, a running one
+    is stopped by its worker at its next heartbeat (forkq.cancel)."""
+    jid = req.field("jid")
+    try:
+        out = api.cancel(dash.redis(), jid, by=f"dashboard ({req.environ.get('REMOTE_ADDR') or 'unknown'})",
+                         wait=0)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    detail = ("its worker stops it at its next heartbeat" if out.state == "pending"
+              else out.detail)
+    dash.flash(req, f"cancel {capped(jid, 100)}: {out.state.replace('_', ' ')}: {capped(detail, 300)}")
+    return Response.redirect(dash.back(req, "/jobs/" + quote(jid, safe="")))
+
+
+def job_by_jid(dash: "Dashboard", req: Request, jid: str) -> Response:
+    """Where a job is now (forkq job JID), with a Cancel button while it waits or runs."""
+    from .. import cancel
+    try:
+        where = api.locate(dash.redis(), jid)
+    except ValueError:
+        return dash.render(req, "error.html", status="404 Not Found", back=("/busy", "Busy"),
+                           message=f"{visible(capped(jid, 200))} is not a jid.")
+    live = where.state in (*cancel.WAITING, "running", "claimed")
+    return dash.render(req, "lookup.html", where=where, live=live, now=time.time())
+
+
 def _pause_action(dash: "Dashboard", req: Request, name: str, action: str) -> Response:
     conn = dash.redis()
     try:
