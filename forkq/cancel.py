@@ -29,6 +29,7 @@ from . import control, keys, payload, results, scripts
 from .errors import MalformedPayload
 
 SCAN_CHUNK = 10_000  # list entries one script call looks at
+SCAN_BYTES = 8 << 20  # and their bytes, past which it looks at no further slice of 500
 PRUNE_AFTER_S = 24 * 3600  # a request older than this is pruned when another is written
 PRUNE_SAMPLE = 20  # requests one write looks at for pruning
 AGAIN_S = 1.0  # how long a job found nowhere is looked for again (in transit between keys)
@@ -182,14 +183,15 @@ def _int(job: dict[str, Any] | None, name: str) -> int | None:
     return value if type(value) is int else None
 
 
-def scan_list(conn: redis.Redis, key: str, jid: str,
-              chunk: int = SCAN_CHUNK) -> tuple[int, int, bytes] | None:
+def scan_list(conn: redis.Redis, key: str, jid: str, chunk: int = SCAN_CHUNK,
+              budget: int = SCAN_BYTES) -> tuple[int, int, bytes] | None:
     """(index from the left, length, raw) of the first entry of list `key` whose payload
-    has this jid, a script call per `chunk` entries, each returning only a match."""
+    has this jid, a script call per `chunk` entries (fewer if they pass `budget` bytes),
+    each returning only a match."""
     find = scripts.load(conn, "find_jid")
     start = 0
     while True:
-        found, start, length, *raw = find(keys=[key], args=["list", jid, start, chunk])
+        found, start, length, *raw = find(keys=[key], args=["list", jid, start, chunk, budget])
         if found >= 0:
             return int(found), int(length), raw[0]
         if start >= length:

@@ -307,3 +307,17 @@ def test_dashboard_cancel_buttons_and_the_job_page(browser, r, redis_url):
     assert "next heartbeat" in browser.get("/busy").text
     running = browser.get("/jobs/j-run")
     assert "running on host-1 pid 4242" in running.text and re.search(r">\s*Cancel\s*<", running.text)
+
+
+@pytest.mark.timeout(20)
+def test_a_queue_of_large_payloads_is_scanned_in_calls_bounded_by_bytes(r, redis_url):
+    pipe = r.pipeline(transaction=False)
+    for i in range(2_000):
+        pipe.lpush("queue:fat", json.dumps(_job("%024x" % i, "fat", blob="x" * 1000)))
+    pipe.execute()
+    calls = lambda: int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))  # noqa: E731
+    before = calls()
+    index, length, raw = cancel.scan_list(r, "queue:fat", "%024x" % 0, budget=100_000)
+    assert (index, length, json.loads(raw)["jid"]) == (1_999, 2_000, "%024x" % 0)
+    # a slice of 500 entries (~0.5 MB) passes the budget: four calls, not one
+    assert calls() - before == 4

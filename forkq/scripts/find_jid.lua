@@ -2,7 +2,8 @@
 -- KEYS[1] a queue or suspects list ('list'), or up to two running-jobs / in-flight hashes
 -- ('work': IDENTITY:work and IDENTITY:workers; 'inflight': forkq:inflight:IDENTITY)
 -- ARGV[1] 'list', 'work' or 'inflight', ARGV[2] the jid, then for 'list' ARGV[3] the index
--- to start at (from the left, the newest end) and ARGV[4] how many entries to look at.
+-- to start at (from the left, the newest end), ARGV[4] how many entries to look at and
+-- ARGV[5] how many bytes of them (a slice of 500 entries at a time).
 -- Candidates are picked by a plain substring match of the jid, then decoded: a jid that
 -- only appears in an argument, or a payload written with spaces after its colons (another
 -- client), is told apart by the decoded "jid" alone.
@@ -21,16 +22,27 @@ local function is_job(text)
 end
 
 if ARGV[1] == 'list' then
+  -- at most ARGV[4] entries, and past ARGV[5] bytes no further slice: a queue of large
+  -- payloads must not be copied into this script by the gigabyte, nor hold Redis long
   local start = tonumber(ARGV[3])
   local count = tonumber(ARGV[4])
+  local budget = tonumber(ARGV[5])
   local len = redis.call('LLEN', KEYS[1])
-  local items = redis.call('LRANGE', KEYS[1], start, start + count - 1)
-  for i, raw in ipairs(items) do
-    if is_job(raw) then
-      return {start + i - 1, start + #items, len, raw}
+  local at, bytes = start, 0
+  while at < start + count and at < len and bytes < budget do
+    local items = redis.call('LRANGE', KEYS[1], at, math.min(at + 499, start + count - 1))
+    for i, raw in ipairs(items) do
+      if is_job(raw) then
+        return {at + i - 1, at + #items, len, raw}
+      end
+      bytes = bytes + #raw
     end
+    if #items == 0 then
+      break
+    end
+    at = at + #items
   end
-  return {-1, start + #items, len}
+  return {-1, at, len}
 end
 
 for _, key in ipairs(KEYS) do
