@@ -247,6 +247,13 @@ def test_a_job_running_on_sidekiq_is_not_forkq_and_a_timeout_is_pending(r, redis
     out = api.cancel(r, "slow", wait=0.2, poll=0.05)
     assert out.state == "pending" and "request stays" in out.detail
     assert r.hexists(keys.CANCEL, "slow")  # left for the worker
+    # held in flight by a process that died (no heartbeat): waited for, not spun on, until
+    # orphan recovery puts it back where the next cancel, or its next worker, finds it
+    r.hset(keys.OWNERS, "gone:1:x", "{}")
+    r.hset(keys.inflight("gone:1:x"), "tok", "a\n" + json.dumps(_job("orphan")))
+    before = _polls(r)
+    out = api.cancel(r, "orphan", wait=0.3, poll=0.05)
+    assert (out.state, out.where.state) == ("pending", "claimed") and _polls(r) - before < 20
 
 
 # -- the commands -------------------------------------------------------------------------
