@@ -21,12 +21,15 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from . import control, keys, payload, results, scripts
 from .errors import MalformedPayload
+
+if TYPE_CHECKING:
+    from . import api
 
 SCAN_CHUNK = 10_000  # list entries one script call looks at
 SCAN_BYTES = 8 << 20  # and their bytes, past which it looks at no further slice of 500
@@ -154,9 +157,8 @@ def locate(conn: redis.Redis, jid: str) -> Location:
     `dead` and a kept result. A job moving back (a failure to retry) may be missed: look
     again. Payloads must carry the jid as plain text (as every Sidekiq client writes it)."""
     check_jid(jid)
-    from . import api
     for name, state in ((keys.SCHEDULE, "scheduled"), (keys.RETRY, "retry")):
-        entry = api.SortedSet(conn, name).find(jid)
+        entry = _in_set(conn, name, jid)
         if entry is not None:
             return Location(state, jid, entry.queue, at=entry.score,
                             retry_count=_int(entry.job, "retry_count"), error=_error(entry.job),
@@ -164,7 +166,7 @@ def locate(conn: redis.Redis, jid: str) -> Location:
     found = _in_queues(conn, jid) or _running(conn, jid)
     if found is not None:
         return found
-    entry = api.SortedSet(conn, keys.DEAD).find(jid)
+    entry = _in_set(conn, keys.DEAD, jid)
     if entry is not None:
         return Location("dead", jid, entry.queue, at=entry.score, error=_error(entry.job),
                         retry_count=_int(entry.job, "retry_count"), job=entry.job, raw=entry.raw)
@@ -188,14 +190,30 @@ def scan_list(conn: redis.Redis, key: str, jid: str, chunk: int = SCAN_CHUNK,
     """(index from the left, length, raw) of the first entry of list `key` whose payload
     has this jid, a script call per `chunk` entries (fewer if they pass `budget` bytes),
     each returning only a match."""
+    hit = _scan(conn, "list", key, jid, chunk, budget)
+    return None if hit is None else (hit[0], hit[1], hit[2])
+
+
+def _scan(conn: redis.Redis, kind: str, key: str, jid: str, chunk: int = SCAN_CHUNK,
+          budget: int = SCAN_BYTES) -> list[Any] | None:
+    """find_jid.lua over a list or sorted set, a call at a time: [index, size, raw] (and
+    the score, for a sorted set) of the first match, or None."""
     find = scripts.load(conn, "find_jid")
     start = 0
     while True:
-        found, start, length, *raw = find(keys=[key], args=["list", jid, start, chunk, budget])
+        found, start, size, *hit = find(keys=[key], args=[kind, jid, start, chunk, budget])
         if found >= 0:
-            return int(found), int(length), raw[0]
-        if start >= length:
+            return [int(found), int(size), *hit]
+        if start >= size:
             return None
+
+
+def _in_set(conn: redis.Redis, name: str, jid: str) -> "api.Entry | None":
+    """The entry of the schedule, retry or dead set with this jid, scanned in Redis from
+    the highest score (api.SortedSet.find would bring every entry to the client)."""
+    from . import api
+    hit = _scan(conn, "zset", name, jid)
+    return None if hit is None else api.Entry.of(hit[2], float(hit[3]))
 
 
 def _in_queues(conn: redis.Redis, jid: str) -> Location | None:

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import forkq
-from forkq import api, cancel, keys
+from forkq import api, cancel, keys, scripts
 from forkq.cli import main
 from helpers import wait_until
 
@@ -328,3 +328,28 @@ def test_a_queue_of_large_payloads_is_scanned_in_calls_bounded_by_bytes(r, redis
     assert (index, length, json.loads(raw)["jid"]) == (1_999, 2_000, "%024x" % 0)
     # a slice of 500 entries (~0.5 MB) passes the budget: four calls, not one
     assert calls() - before == 4
+
+
+@pytest.mark.timeout(20)
+def test_the_sorted_sets_are_searched_in_redis_from_the_top_while_their_low_end_drains(r):
+    pipe = r.pipeline(transaction=False)
+    for i in range(3_000):
+        pipe.zadd(keys.SCHEDULE, {json.dumps(_job("%024x" % i)): 1_000 + i})
+    pipe.execute()
+    target = "%024x" % 10  # near the low end, the first to fall due
+    calls = lambda: int(r.info("commandstats").get("cmdstat_zrange", {}).get("calls", 0))  # noqa: E731
+    before = calls()
+    where = cancel.locate(r, target)
+    assert (where.state, where.jid, where.at) == ("scheduled", target, 1_010.0)
+    assert calls() == before  # no page of the set came to the client (api.SortedSet.find)
+    # entries leaving the low end between two calls of the scan do not hide one above them
+    hit = cancel._scan(r, "zset", keys.SCHEDULE, target, chunk=1_000)
+    assert hit is not None
+    first = cancel._scan(r, "zset", keys.SCHEDULE, "%024x" % 99_999, chunk=1_000)
+    assert first is None
+    find = scripts.load(r, "find_jid")
+    found, start, size = find(keys=[keys.SCHEDULE], args=["zset", target, 0, 1_000, 1 << 30])
+    assert (found, start, size) == (-1, 1_000, 3_000)
+    r.zremrangebyrank(keys.SCHEDULE, 0, 4)  # five fall due and leave
+    found, _, _, raw, score = find(keys=[keys.SCHEDULE], args=["zset", target, start, 5_000, 1 << 30])
+    assert json.loads(raw)["jid"] == target and float(score) == 1_010.0

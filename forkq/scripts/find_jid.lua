@@ -1,15 +1,20 @@
 -- Find a job by its jid without sending the structure to the client (cancel.locate).
--- KEYS[1] a queue or suspects list ('list'), or up to two running-jobs / in-flight hashes
--- ('work': IDENTITY:work and IDENTITY:workers; 'inflight': forkq:inflight:IDENTITY)
--- ARGV[1] 'list', 'work' or 'inflight', ARGV[2] the jid, then for 'list' ARGV[3] the index
--- to start at (from the left, the newest end), ARGV[4] how many entries to look at and
--- ARGV[5] how many bytes of them (a slice of 500 entries at a time).
+-- KEYS[1] a queue or suspects list ('list'), the schedule, retry or dead set ('zset'), or
+-- up to two running-jobs / in-flight hashes ('work': IDENTITY:work and IDENTITY:workers;
+-- 'inflight': forkq:inflight:IDENTITY)
+-- ARGV[1] 'list', 'zset', 'work' or 'inflight', ARGV[2] the jid, then for 'list' and
+-- 'zset' ARGV[3] the index to start at (a list's from the left, the newest end; a sorted
+-- set's rank from the highest score), ARGV[4] how many entries to look at and ARGV[5] how
+-- many bytes of them (a slice of 500 entries at a time).
 -- Candidates are picked by a plain substring match of the jid, then decoded: a jid that
 -- only appears in an argument, or a payload written with spaces after its colons (another
 -- client), is told apart by the decoded "jid" alone.
 -- Returns for 'list' {found index or -1, next start, length, raw or nil}: the client loops
 -- while next start < length. Scanning from the left, a job that stays on the list is never
 -- skipped by pushes (LPUSH moves it away from the scanned part) or pops (at the right end).
+-- For 'zset' the same, with the match's score after it. From the highest score: entries
+-- leave these sets at the low end (due, or trimmed), which moves no rank counted from the
+-- top, and one added above the scan makes it see an entry twice, never skip one.
 -- For the hashes {field, value} of the first match, or {}.
 local jid = ARGV[2]
 
@@ -43,6 +48,30 @@ if ARGV[1] == 'list' then
     at = at + #items
   end
   return {-1, at, len}
+end
+
+if ARGV[1] == 'zset' then
+  local start = tonumber(ARGV[3])
+  local count = tonumber(ARGV[4])
+  local budget = tonumber(ARGV[5])
+  local card = redis.call('ZCARD', KEYS[1])
+  local at, bytes = start, 0
+  while at < start + count and at < card and bytes < budget do
+    local items = redis.call('ZREVRANGE', KEYS[1], at, math.min(at + 499, start + count - 1), 'WITHSCORES')
+    local n = #items / 2
+    for i = 1, n do
+      local raw = items[2 * i - 1]
+      if is_job(raw) then
+        return {at + i - 1, at + n, card, raw, items[2 * i]}
+      end
+      bytes = bytes + #raw
+    end
+    if n == 0 then
+      break
+    end
+    at = at + n
+  end
+  return {-1, at, card}
 end
 
 for _, key in ipairs(KEYS) do
