@@ -1,0 +1,237 @@
+"""`forkq start --reload`: notice that the app's source changed, and start it again.
+
+What is watched: the source file of every module the master has imported (by the time it
+forks) that lies under the working directory or the directory of a `--require` path, and
+not under the standard library or a site-packages directory (a virtualenv inside the
+project stays unwatched), plus the TOML file the settings came from. A new `.py` file in
+a directory holding a watched file counts as a change too: one stat of the directory per
+poll, and its listing is read only when the directory's own mtime moved (an editor's swap
+or backup file moves it and is then ignored). New subdirectories do not count.
+
+Polling, not inotify: no dependency, and the master's loop wakes twice a second anyway.
+One poll is one stat per file and directory; a poll that took long (a few thousand files
+on a slow disk) spaces the next out, so polling never takes more than about 5% of a core.
+
+The restart itself is an exec of the same command line in the same process (`reexec`),
+with the environment and working directory forkq started with: the pid, the pidfile and a
+terminal's Ctrl-C stay the same. The caller stops its workers first, the normal way.
+"""
+
+from __future__ import annotations
+
+import os
+import site
+import sys
+import sysconfig
+import time
+import traceback
+from collections.abc import Iterable
+
+from . import logs
+
+log = logs.get("forkq.reload")
+
+POLL_S = 1.0
+# a poll may take at most this share of the time between polls (see Watcher.due)
+MAX_SHARE = 0.05
+
+# What forkq was started with, before the app's import could change it (an app that sets
+# DJANGO_SETTINGS_MODULE or chdirs at import must find things as they were at the next start)
+_started: tuple[dict[str, str], str] | None = None
+# files to watch that no module is: the settings file
+_extra: list[str] = []
+
+
+def remember_start(config_file: str | None = None) -> None:
+    """Note the environment and working directory to exec with, and the settings file to
+    watch; call before the app imports."""
+    global _started
+    _started = (dict(os.environ), os.getcwd())
+    _extra[:] = [os.path.realpath(config_file)] if config_file else []
+
+
+def watcher_for(requires: list[str], since: float, failed: BaseException | None = None) -> Watcher:
+    """The Watcher of a start: the app's files as imported, with those a failed import went
+    through, the settings file, the --require files (one that does not exist yet counts
+    when it appears), and new .py files in the roots."""
+    cwd = _started[1] if _started else os.getcwd()
+    named = [os.path.realpath(os.path.join(cwd, r)) for r in requires if r.endswith(".py")]
+    extra = [*_extra, *(failed_import_files(failed) if failed is not None else [])]
+    files = sorted(set(app_files(requires, extra)) | set(named) | set(_extra))
+    return Watcher(files, since=since, dirs=roots(requires))
+
+
+def roots(requires: Iterable[str], cwd: str | None = None) -> list[str]:
+    """The directories whose files are the app's: the working directory and the directory of
+    each --require given as a path."""
+    cwd = _started[1] if cwd is None and _started else (cwd or os.getcwd())
+    found = [os.path.realpath(cwd)]
+    for item in requires:
+        if item.endswith(".py") or os.sep in item:
+            found.append(os.path.dirname(os.path.realpath(os.path.join(cwd, item))))
+    return sorted(set(found))
+
+
+def _installed() -> list[str]:
+    """Directories of code that is not the app's: the standard library and site-packages."""
+    dirs = set()
+    for scheme_key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        for vars_ in (None, {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}):
+            path = sysconfig.get_path(scheme_key, vars=vars_)
+            if path:
+                dirs.add(path)
+    try:
+        dirs.update(site.getsitepackages())
+    except AttributeError:  # an old virtualenv's site module
+        pass
+    if site.ENABLE_USER_SITE and site.getusersitepackages():
+        dirs.add(site.getusersitepackages())
+    return sorted({os.path.realpath(d) for d in dirs})
+
+
+def _under(path: str, dirs: Iterable[str]) -> bool:
+    return any(path == d or path.startswith(d.rstrip(os.sep) + os.sep) for d in dirs)
+
+
+def app_files(requires: Iterable[str], extra: Iterable[str] = ()) -> list[str]:
+    """The source files to watch: imported modules' files under roots() and outside the
+    installed code, and `extra` files (a config file, the files a failed import named)
+    that lie under roots() too."""
+    inside, outside = roots(requires), _installed()
+    files = set()
+    candidates = [getattr(m, "__file__", None) for m in list(sys.modules.values())]
+    for name in [*candidates, *extra]:
+        if not isinstance(name, str) or not name:
+            continue
+        path = os.path.realpath(name)
+        if _under(path, inside) and not _under(path, outside) and os.path.isfile(path):
+            files.add(path)
+    return sorted(files)
+
+
+def failed_import_files(exc: BaseException) -> list[str]:
+    """The files a failed import went through, and the one a SyntaxError names: watched,
+    besides what did import, while forkq waits for the edit that fixes it."""
+    names = [frame.filename for frame in traceback.extract_tb(exc.__traceback__)]
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:  # the cause's file, if it is another
+        seen.add(id(exc))
+        if isinstance(exc, SyntaxError) and exc.filename:
+            names.append(exc.filename)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return names
+
+
+Signature = tuple[int, int, int]  # mtime_ns, size, inode: an atomic save renames a new inode in
+
+
+def _signature(path: str) -> Signature | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def _py_names(directory: str) -> frozenset[str]:
+    # not an editor's lock or backup (Emacs's .#jobs.py)
+    try:
+        return frozenset(n for n in os.listdir(directory)
+                         if n.endswith(".py") and not n.startswith((".", "#")))
+    except OSError:
+        return frozenset()
+
+
+class Watcher:
+    """Which of the files changed since it was made (or since `since`, a time.time() from
+    before they were imported: a file saved while the import ran counts at the first poll)."""
+
+    def __init__(self, files: Iterable[str], since: float | None = None,
+                 dirs: Iterable[str] = ()) -> None:
+        self.files = {path: _signature(path) for path in files}
+        self.dirs: dict[str, tuple[int | None, frozenset[str]]] = {}
+        for directory in sorted({os.path.dirname(p) for p in self.files} | set(dirs)):
+            self.dirs[directory] = (self._dir_mtime(directory), _py_names(directory))
+        # saved after `since` and not in the future: a file whose clock runs ahead (a mount
+        # from a host with another clock) would otherwise restart every new master at once
+        floor, now = (None if since is None else int(since * 1e9)), time.time_ns()
+        self.early = sorted(p for p, sig in self.files.items()
+                            if floor is not None and sig is not None and floor <= sig[0] <= now)
+        self.interval = POLL_S
+        self.last_cost = 0.0
+        self._next = time.monotonic() + (0 if self.early else POLL_S)
+
+    @staticmethod
+    def _dir_mtime(directory: str) -> int | None:
+        try:
+            return os.stat(directory).st_mtime_ns
+        except OSError:
+            return None
+
+    def due(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) >= self._next
+
+    def until_due(self) -> float:
+        """Seconds until the next poll is due (0 when it is)."""
+        return max(0.0, self._next - time.monotonic())
+
+    def changed(self) -> list[str]:
+        """Poll now: the changed, deleted or new files, sorted (empty: nothing changed)."""
+        started = time.monotonic()
+        out = set(self.early)
+        self.early = []
+        for path, sig in self.files.items():
+            now_sig = _signature(path)
+            if now_sig != sig:
+                out.add(path)
+                self.files[path] = now_sig
+        for directory, (mtime, names) in self.dirs.items():
+            now_mtime = self._dir_mtime(directory)
+            if now_mtime == mtime:
+                continue
+            now_names = _py_names(directory)
+            out.update(os.path.join(directory, n) for n in sorted(now_names - names))
+            self.dirs[directory] = (now_mtime, now_names)
+        self.last_cost = time.monotonic() - started
+        # a slow poll spaces the next out: polling stays under MAX_SHARE of a core
+        self.interval = max(POLL_S, self.last_cost / MAX_SHARE)
+        self._next = time.monotonic() + self.interval
+        return sorted(out)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
+def shown(paths: list[str], limit: int = 5) -> str:
+    """The changed files for a log line: relative to the working directory when under it."""
+    base = _started[1] if _started else os.getcwd()
+    names = [os.path.relpath(p, base) if _under(p, [os.path.realpath(base)]) else p for p in paths]
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def wait_for_change(watcher: Watcher) -> list[str]:
+    """Block until a watched file changes (the dev loop after a broken edit); returns them.
+    A stop signal ends the wait through the handler the caller has installed."""
+    while True:
+        time.sleep(watcher.until_due())
+        changed = watcher.changed()
+        if changed:
+            return changed
+
+
+def reexec() -> None:
+    """Replace this process with a new run of the same command: same pid, argv, and the
+    environment and working directory forkq started with. Does not return."""
+    environ, cwd = _started if _started else (dict(os.environ), os.getcwd())
+    logs.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os.chdir(cwd)
+    # orig_argv: the interpreter's own command line (`python -m forkq ...`, the `forkq`
+    # script, `python -c ...`), with any -X or -W options
+    argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+    os.execve(sys.executable, argv, environ)
