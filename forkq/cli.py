@@ -19,6 +19,8 @@ from .settings import Settings
 if TYPE_CHECKING:
     import redis
 
+    from . import reload
+
 
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one readable line, exit 2, no usage dump
@@ -266,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
             except BrokenPipeError:  # `forkq start --print-config | head`
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
+        if settings.reload:
+            from . import reload
+            # the settings file is watched too: the new master reads it again
+            found = config.read_file(config.config_path(args.config))[1]
+            reload.remember_start(found)
         return start(settings)
     import redis
     from . import admin
@@ -494,6 +501,10 @@ def start(settings: Settings) -> int:
     """Boot and run; a TERM or INT while the app still imports (which can take seconds)
     ends it with exit 0 and one line, as a stop would: nothing was claimed yet. Once the
     master or the worker runs, its own signal traps replace these."""
+    if settings.reload and settings.no_fork:
+        sys.stderr.write("forkq: --reload restarts a master, and --no-fork runs none: "
+                         "use --reload with --processes 1 instead\n")
+        return 2
     logs.configure(settings.log_level, settings.log_format)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop_while_starting)
@@ -506,6 +517,7 @@ def start(settings: Settings) -> int:
 
 
 def _start(settings: Settings) -> int:
+    since = time.time()  # --reload: a file saved while the app imports counts as a change
     try:
         load_app(settings.require)
     except ConfigError as exc:
@@ -513,7 +525,19 @@ def _start(settings: Settings) -> int:
         # environment, say) keeps its traceback, as its other exceptions do, instead of
         # passing for a forkq setting in one line that says neither where nor what
         sys.stderr.write(f"forkq: {exc}\n")
+        if settings.reload:
+            return _wait_for_fix(settings, since, exc)
         return 2
+    except Exception as exc:
+        if not settings.reload:
+            raise
+        import traceback
+        traceback.print_exc()  # the traceback it gets without --reload
+        return _wait_for_fix(settings, since, exc)
+    watcher = None
+    if settings.reload:
+        from . import reload
+        watcher = reload.watcher_for(settings.require, since)
     # An app that calls structlog.configure at import (in its settings module, say) would
     # otherwise rule the master's lines, while each child sets forkq's up again after the
     # fork: the master's lines went to the app's stream and format, without pid.
@@ -546,13 +570,56 @@ def _start(settings: Settings) -> int:
             logs.flush()
     from .control import pidfile
     from .supervisor import Supervisor
+    if watcher is not None:
+        logs.get("forkq").info("--reload: watching the app's files for changes",
+                               files=len(watcher), dirs=len(watcher.dirs))
+        if not sys.stdout.isatty():
+            logs.get("forkq").warning(
+                "--reload is for development: a deploy that writes files restarts every "
+                "child at once, and a broken file leaves no worker running")
     try:
         with pidfile(settings.pidfile) as path:
-            code = Supervisor(settings, pidfile=path).run()
+            master = Supervisor(settings, pidfile=path, watcher=watcher)
+            code = master.run()
+            if master.reload_wanted():
+                from . import reload
+                reload.reexec()  # inside the with: the pidfile stays, with the same pid
+            if watcher is not None and master.state == "failed":
+                # the children could not start (an on_fork hook raising, say): a broken edit
+                # too, which the next change may fix
+                return _wait_for_fix(settings, since, None, watcher)
     except ConfigError as exc:
         sys.stderr.write(f"forkq: {exc}\n")
         return 2
     return end_within(EXIT_GRACE_S, code)
+
+
+def _wait_for_fix(settings: Settings, since: float, exc: BaseException | None,
+                  watcher: "reload.Watcher | None" = None) -> int:
+    """--reload after a broken edit: wait, holding the pidfile (`forkq ctl stop` and Ctrl-C
+    still end it), until a watched file changes, then start again. Does not return but by a
+    stop signal (StoppedWhileStarting)."""
+    from . import reload
+    from .control import pidfile
+    if watcher is None:
+        watcher = reload.watcher_for(settings.require, since, failed=exc)
+    else:  # after a master ran: its signal traps go, a stop must end the wait
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _stop_while_starting)
+    sys.stderr.write(f"forkq: --reload: waiting for a change to the app's files "
+                     f"({len(watcher)} watched) to start again\n")
+    sys.stderr.flush()
+    try:
+        with pidfile(settings.pidfile):
+            changed = reload.wait_for_change(watcher)
+            logs.get("forkq").info(f"reloading: {reload.shown(changed)} changed; starting again",
+                                   files=len(changed))
+            reload.reexec()
+    except ConfigError as exc:  # the pidfile is another running master's
+        sys.stderr.write(f"forkq: {exc}\n")
+        return 2
+    return 1  # not reached: reexec does not return
 
 
 # Once the master or a --no-fork worker has stopped, what is left of its exit is the

@@ -98,6 +98,7 @@ class Settings:
     poison_after: int = 3
     boot_window: float = 10.0
     pidfile: str | None = None
+    reload: bool = False               # restart on source changes (see reload.py)
     recovery_delay: float = 60.0
     # metrics (served by the master; see metrics.py)
     metrics_port: int | None = None

@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 import psutil
 import redis
 
-from . import client, control, hooks, keys, logs, orphans, scripts, strays, systemd, titles
+from . import client, control, hooks, keys, logs, orphans, reload, scripts, strays, systemd, titles
 from .fetch import After, Requeued, refusal, requeue_owner_counts, settle_acks, writes_refused
 from .metrics import MetricsServer
 from .settings import STOP_GRACE_S, STOP_PATIENCE_S, Settings
@@ -93,8 +93,11 @@ class Stats:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, pidfile: str | None = None) -> None:
+    def __init__(self, settings: Settings, pidfile: str | None = None,
+                 watcher: reload.Watcher | None = None) -> None:
         self.settings = settings
+        self.watcher = watcher             # --reload: the app's files (see check_reload)
+        self.reloading: list[str] | None = None  # the changed files while a reload stops
         self.pidfile = pidfile
         self._pidfile_touched = time.monotonic()
         self.children: dict[int, Child] = {}
@@ -179,6 +182,7 @@ class Supervisor:
                 self.recycle_children()
                 self.roll_restart()
                 self.enforce_stop_deadline()
+                self.check_reload()
         finally:
             self.requeue_pending(final=True)
             if self.metrics is not None:
@@ -238,6 +242,8 @@ class Supervisor:
 
     # -- signal handling ----------------------------------------------------------------
     def handle_stop(self, signum: int) -> None:
+        if self.reloading is not None:
+            self.cancel_reload(signum)
         if self.state == "stopping":
             log.info("already stopping", signal=signal.Signals(signum).name)
             return
@@ -258,6 +264,44 @@ class Supervisor:
             return
         log.info("rolling restart of every child, one at a time")
         self.recycle = sorted(c.slot for c in self.children.values())
+
+    # -- --reload (see reload.py) -------------------------------------------------------
+    def check_reload(self) -> None:
+        """Stop every child the normal way when a watched file changed (running jobs finish
+        within --timeout, unstarted ones go back); the caller then execs a new master
+        (reload_wanted). While that stop runs nothing is polled: a file saved meanwhile is
+        read by the new master's import."""
+        watcher = self.watcher
+        if watcher is None or self.state != "running" or not watcher.due():
+            return
+        changed = watcher.changed()
+        if not changed:
+            return
+        log.info(f"reloading: {reload.shown(changed)} changed; stopping children",
+                 files=len(changed), timeout=self.settings.timeout)
+        self.reloading = changed
+        self.state = "stopping"
+        self.stop_deadline = time.monotonic() + self.settings.timeout + STOP_GRACE_S
+        self.tell_all(signal.SIGTERM)
+
+    def cancel_reload(self, signum: int) -> None:
+        """A stop asked for while a reload stops the children: exit instead of starting again."""
+        log.info("stop requested during the reload; exiting instead", signal=signal.Signals(signum).name)
+        self.reloading = None
+
+    def reload_wanted(self) -> bool:
+        """After run(): whether to exec a new master. Not if a stop signal came in after the
+        loop's last look at its self-pipe."""
+        if self.reloading is None or self.exit_code != 0:
+            return False
+        try:
+            pending = os.read(self._sig_r, 256)
+        except (BlockingIOError, OSError):
+            pending = b""
+        if any(signum in (signal.SIGINT, signal.SIGTERM) for signum in pending):
+            self.cancel_reload(signal.SIGTERM if signal.SIGTERM in pending else signal.SIGINT)
+            return False
+        return True
 
     def tell(self, child: Child, signum: int) -> None:
         try:

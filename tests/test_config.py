@@ -118,6 +118,8 @@ TABLE = {
     # a switch: the flag can only turn it on, FORKQ_NO_FORK=0 turns a file's true off
     "no_fork": dict(flag=True, env="0", file="true",
                     want={"flag": True, "env": False, "file": True, "default": False}),
+    "reload": dict(flag=True, env="off", file="true",
+                   want={"flag": True, "env": False, "file": True, "default": False}),
     "processes": dict(flag=3, env="4", file="5", want={"flag": 3, "env": 4, "file": 5, "default": None}),
     "poison_after": dict(flag=9, env="8", file="7", want={"flag": 9, "env": 8, "file": 7, "default": 3}),
     "tag": dict(flag="f", env="e", file='"file"', want={"flag": "f", "env": "e", "file": "file", "default": ""}),
@@ -174,6 +176,7 @@ SAMPLES = {
     "poison_after": ("5", "5", 5),
     "recovery_delay": ("90", "90", 90.0),
     "pidfile": ("/run/x.pid", '"/run/x.pid"', "/run/x.pid"),
+    "reload": ("1", "true", True),
     "metrics_port": ("9100", "9100", 9100),
     "metrics_bind": ("::", '"::"', "::"),
 }

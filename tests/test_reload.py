@@ -99,3 +99,120 @@ def test_the_apps_files_are_those_under_the_working_directory_not_installed_code
     # a --require path adds its directory as a root
     assert str(elsewhere / "extra_jobs_for_reload.py") in reload.app_files(
         [str(elsewhere / "extra_jobs_for_reload.py")])
+
+
+@pytest.mark.timeout(10)
+def test_reload_with_no_fork_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["start", "--reload", "--no-fork", "-r", "nothing_here"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--reload" in err and "--no-fork" in err
+
+
+@pytest.mark.timeout(10)
+def test_a_stop_asked_for_during_the_reload_ends_the_master_instead():
+    from forkq.settings import Settings
+    from forkq.supervisor import Supervisor
+    sup = Supervisor(Settings(processes=1))
+    os.set_blocking(sup._sig_r, False)  # as run() leaves it
+    try:
+        sup.reloading = ["jobs.py"]
+        assert sup.reload_wanted()
+        os.write(sup._sig_w, bytes([signal.SIGINT]))   # Ctrl-C after the loop's last look
+        assert not sup.reload_wanted() and sup.reloading is None
+        sup.reloading, sup.state = ["jobs.py"], "stopping"
+        sup.handle_stop(signal.SIGTERM)                 # ... or while the children stop
+        assert not sup.reload_wanted()
+    finally:
+        os.close(sup._sig_r)
+        os.close(sup._sig_w)
+
+
+# -- a real master ---------------------------------------------------------------------------
+
+JOBS = '''\
+import os, time
+import forkq, redis
+
+VERSION = {version}
+
+@forkq.job
+def mark(n, hold=False):
+    conn = redis.Redis.from_url(os.environ["FORKQ_REDIS_URL"])
+    conn.rpush("reload:started", f"{{VERSION}}:{{n}}")
+    while hold and not conn.exists("reload:release"):  # running across the change
+        time.sleep(0.01)
+    conn.rpush("reload:done", f"{{VERSION}}:{{n}}")
+'''
+
+
+def _push(r, n: int, hold: bool = False) -> None:
+    payload = {"class": "jobs.mark", "args": [n, hold], "queue": "default", "retry": False,
+               "jid": f"reload{n:018d}", "created_at": time.time(), "enqueued_at": time.time()}
+    r.sadd("queues", "default")
+    r.lpush("queue:default", json.dumps(payload))
+
+
+@pytest.mark.timeout(60)
+def test_a_master_reloads_on_an_edit_keeps_its_pid_and_survives_a_syntax_error(redis_url, r, tmp_path):
+    jobs = tmp_path / "jobs.py"
+    jobs.write_text(JOBS.format(version=1))
+    pidfile = tmp_path / "forkq.pid"
+    out = tmp_path / "master.log"
+    env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONDONTWRITEBYTECODE="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
+    cmd = forkq_command("start", "--reload", "--require", "jobs.py", "--processes", "2",
+                        "--concurrency", "1", "--timeout", "10", "--pidfile", str(pidfile),
+                        "--log-format", "json")
+    with open(out, "ab") as sink:
+        proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=sink,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    log = lambda: out.read_text(errors="replace")  # noqa: E731
+    done = lambda: [x.decode() for x in r.lrange("reload:done", 0, -1)]  # noqa: E731
+
+    def alive(value):
+        assert proc.poll() is None, f"master exited with {proc.returncode}:\n{log()[-3000:]}"
+        return value
+    try:
+        # a job that holds on until the reload has begun
+        _push(r, 1, hold=True)
+        wait_until(lambda: alive(r.lrange("reload:started", 0, -1)), timeout=15,
+                   message="job 1 started")
+        _touch(jobs, JOBS.format(version=22))
+        wait_until(lambda: alive("reloading: jobs.py changed" in log()), timeout=10,
+                   message="the reload's log line")
+        _touch(jobs, JOBS.format(version=2))       # saved again during the stop: no second reload
+        r.set("reload:release", 1)
+        _push(r, 2)
+        wait_until(lambda: alive("2:2" in done()), timeout=15, message="job 2 run by the new code")
+        # the job running at the change finished once, with the code it started with
+        assert done().count("1:1") == 1 and [x for x in done() if x.endswith(":1")] == ["1:1"]
+        assert [x.decode() for x in r.lrange("reload:started", 0, -1)].count("1:1") == 1
+        assert log().count('"master started"') == 2 and log().count("reloading:") == 1
+        assert int(pidfile.read_text()) == proc.pid
+        assert {e["pid"] for e in map(json.loads, filter(None, log().splitlines()))
+                if e.get("event") == "master started"} == {proc.pid}
+
+        # a broken edit: the error, then a wait; the fix starts it again
+        _touch(jobs, "VERSION = (\n")
+        wait_until(lambda: alive("waiting for a change" in log()), timeout=15,
+                   message="the wait after a syntax error")
+        assert "SyntaxError" in log() and int(pidfile.read_text()) == proc.pid
+        _push(r, 3)
+        _touch(jobs, JOBS.format(version=333))
+        wait_until(lambda: alive("333:3" in done()), timeout=15, message="job 3 after the fix")
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        assert not pidfile.exists()
+        assert r.llen("queue:default") == 0
+    finally:
+        kids = []
+        with contextlib.suppress(psutil.Error):
+            kids = psutil.Process(proc.pid).children(recursive=True)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for kid in kids:
+            with contextlib.suppress(psutil.Error):
+                kid.kill()
+        proc.wait(10)
