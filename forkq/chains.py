@@ -219,6 +219,21 @@ def next_payload(rest: Any, value: Any, now: float) -> dict[str, Any]:
     return nxt
 
 
+def encode(nxt: dict[str, Any]) -> bytes:
+    """The next step's payload as Redis will hold it (UTF-8 JSON); raise Broken if it has
+    none: a NaN or an integer of more than 4,300 digits from a foreign payload, or a lone
+    surrogate (a filename read with surrogateescape, passed on by pass_result), which
+    json writes but redis-py's UTF-8 encoding refuses, deep in the script's call."""
+    try:
+        return payload.dumps(nxt).encode()
+    except UnicodeEncodeError as exc:
+        why = (f"its payload holds text UTF-8 cannot carry ({exc.reason}: "
+               f"{exc.object[exc.start:exc.end]!r})")
+    except ValueError as exc:
+        why = f"its payload cannot be written as JSON: {exc}"
+    raise Broken(f"the next step ({nxt.get('class')}): {why}")
+
+
 def advance(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[str, Any],
             step: Next, value: Any) -> str:
     """Push the next step of a chained job that succeeded, releasing its in-flight entry in
@@ -234,7 +249,7 @@ def advance(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[st
     after = step.after or ()
     try:
         nxt = next_payload(rest, value, now)
-        raw = payload.dumps(nxt)
+        raw = encode(nxt)
     except (Broken, ValueError) as exc:
         return _bury(manager, outcomes, unit, job, rest, str(exc), step.keep, element, after, now)
     queue = nxt["queue"]

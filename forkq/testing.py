@@ -143,7 +143,7 @@ def _continue_chain(entry: dict[str, Any], value: Any) -> None:
         return
     nxt = chains.next_payload(entry["forkq_chain"], value, time.time())
     queue = nxt["queue"]
-    client.test_push([("SADD", keys.QUEUES, queue), ("LPUSH", keys.queue(queue), payload.dumps(nxt))])
+    client.test_push([("SADD", keys.QUEUES, queue), ("LPUSH", keys.queue(queue), chains.encode(nxt))])
 
 
 def _pushed(commands: list[tuple]) -> list[tuple[dict[str, Any], float | None]]:
