@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from . import keys, payload, scripts
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Iterator
 
     import redis
 
@@ -452,9 +452,17 @@ def recent(r: "redis.Redis", limit: int = 100, states: "Iterable[str] | None" = 
     gone: list[bytes] = []
     seen: set[bytes] = set()
     found = looked = 0
-    members = r.zrevrange(keys.BATCHES, 0, size - 1, withscores=True) if limit > 0 else []
+    # Pages follow on by score, not by rank: the next one holds the entries scored below
+    # the last page's lowest score, `top`, and those scored `top` not read yet (a tie). By
+    # rank, an entry another listing dropped meanwhile (an expired batch's) moved every
+    # rank after it up, and as many batches went unlisted; one opened meanwhile was read
+    # twice.
+    cursor: list[Any] = [None, set()]  # [top, members scored top read so far]
+    members = _page(r, cursor, size) if limit > 0 else []
     while members or counting:
         looked += len(members)
+        if members:
+            _follow(cursor, members)
         end = len(members) < size  # the index's: no page after this one
         last = end or looked >= budget
         if wanted is not None:
@@ -474,11 +482,11 @@ def recent(r: "redis.Redis", limit: int = 100, states: "Iterable[str] | None" = 
                 pipe.scard(b + b":jids")
                 pipe.hlen(b + b":failed")
         if ahead:
-            pipe.zrevrange(keys.BATCHES, looked, looked + size - 1, withscores=True)
-        # stopping at the budget: whether the index goes on past it (a full page says not)
+            asked = _ask_page(pipe, cursor, size), size
+        # stopping at the budget: whether the index goes on past it (a short page says not)
         spent = bool(members) and not end and looked >= budget
         if spent:
-            pipe.zcard(keys.BATCHES)
+            asked = _ask_page(pipe, cursor, 1), 1
         replies = iter(pipe.execute(raise_on_error=False))
         for raw, score, fields in counting:
             pending, failed = next(replies), next(replies)
@@ -495,7 +503,7 @@ def recent(r: "redis.Redis", limit: int = 100, states: "Iterable[str] | None" = 
                     any(isinstance(v, Exception) for v in counts):
                 gone.append(raw)
                 continue
-            if raw in seen:  # a batch opened meanwhile moved the ranks on by one
+            if raw in seen:  # a tie at a page's edge that moved meanwhile
                 continue
             seen.add(raw)
             fields = _fields(meta)
@@ -511,19 +519,59 @@ def recent(r: "redis.Redis", limit: int = 100, states: "Iterable[str] | None" = 
             pass  # a round trip for the last counts only
         elif found >= limit or last:
             if spent and found < limit:
-                total = next(replies)
-                out.more = isinstance(total, int) and total > looked
+                out.more = bool(_next_page(cursor, replies, *asked))
             members = []
         elif ahead:
-            members = next(replies)
-            if isinstance(members, Exception):
-                raise members
+            members = _next_page(cursor, replies, *asked)
         else:
-            members = r.zrevrange(keys.BATCHES, looked, looked + size - 1, withscores=True)
+            members = _page(r, cursor, size)
     if gone:
         r.zrem(keys.BATCHES, *gone)
     out.looked_at = looked
     return out
+
+
+def _ask_page(pipe: Any, cursor: list[Any], size: int) -> int:
+    """Queue the reads of the index's next page after `cursor` (see recent) on `pipe`;
+    return how many replies they make."""
+    top = cursor[0]
+    if top is None:
+        pipe.zrevrangebyscore(keys.BATCHES, "+inf", "-inf", start=0, num=size, withscores=True)
+        return 1
+    # the ties (batches opened in the same microsecond: rare, and few) read or not
+    pipe.zrevrangebyscore(keys.BATCHES, top, top, start=0, num=len(cursor[1]) + size,
+                          withscores=True)
+    pipe.zrevrangebyscore(keys.BATCHES, f"({top!r}", "-inf", start=0, num=size, withscores=True)
+    return 2
+
+
+def _got_page(cursor: list[Any], replies: list[Any], size: int) -> list[tuple[bytes, float]]:
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    if len(replies) == 1:
+        return replies[0]
+    ties, below = replies
+    return ([m for m in ties if m[0] not in cursor[1]] + below)[:size]
+
+
+def _next_page(cursor: list[Any], replies: Iterator[Any], count: int,
+               size: int) -> list[tuple[bytes, float]]:
+    return _got_page(cursor, [next(replies) for _ in range(count)], size)
+
+
+def _page(r: Any, cursor: list[Any], size: int) -> list[tuple[bytes, float]]:
+    pipe = r.pipeline(transaction=False)
+    _ask_page(pipe, cursor, size)
+    return _got_page(cursor, pipe.execute(), size)
+
+
+def _follow(cursor: list[Any], members: list[tuple[bytes, float]]) -> None:
+    """Move `cursor` past a page just read."""
+    low = members[-1][1]
+    if low != cursor[0]:
+        cursor[0], cursor[1] = low, set()
+    cursor[1].update(m for m, score in members if score == low)
 
 
 def _fields(meta: list[bytes | None]) -> dict[str, str | None]:
