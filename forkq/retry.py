@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from . import batch, hooks, keys, logs, payload, results, scripts, unique
-from .errors import UnknownJob
+from .errors import JobCancelled, UnknownJob
 from .fetch import writes_refused
 
 if TYPE_CHECKING:
@@ -92,6 +93,8 @@ def max_retries(job: dict[str, Any], jobdef: "Job | None" = None) -> int:
 
 def error_class(exc: BaseException) -> str:
     kind = type(exc)
+    if kind is JobCancelled:
+        return CANCELLED_CLASS  # as forkq exports it: what `forkq dead` and the Web UI show
     if kind.__module__ == "builtins":
         return kind.__qualname__
     return f"{kind.__module__}.{kind.__qualname__}"
@@ -161,6 +164,31 @@ def _retry_for_over(job: dict[str, Any], now: float) -> bool | None:
     if not math.isfinite(closes):
         return None  # a count must still end retries that no window can
     return closes < now
+
+
+CANCELLED_CLASS = "forkq.JobCancelled"
+
+
+def cancel_request(raw: Any) -> tuple[str | None, str | None]:
+    """(by, reason) of a forkq:cancel entry (keys.CANCEL); None for what it lacks, both for
+    an entry that is no JSON object (written by hand: still a cancel, as the workers read it)."""
+    try:
+        record = json.loads(raw)
+    except (TypeError, ValueError):
+        return None, None
+    if not isinstance(record, dict):
+        return None, None
+    by, reason = record.get("by"), record.get("reason")
+    return (by if isinstance(by, str) and by else None,
+            reason if isinstance(reason, str) and reason else None)
+
+
+def cancel_message(raw: Any) -> str:
+    """The error_message of a job an operator cancelled, from its forkq:cancel entry:
+    "cancelled by alice@host: reason", "cancelled by an operator" when it says nothing."""
+    by, reason = cancel_request(raw)
+    said = f"cancelled by {by or 'an operator'}"
+    return f"{said}: {reason}" if reason else said
 
 
 # The queue of a dead entry for something that had no usable queue of its own: one nobody
@@ -275,7 +303,8 @@ class Outcomes:
         if fate in ("dropped", "discarded") and "forkq_chain" in job:
             from .chains import ended  # chains imports this module
             ended(job, fate)
-        if fate == "dead" and hooks.ON_DEATH:
+        # an operator's cancel is no death: as a kill from `dead`, it runs no handler
+        if fate == "dead" and hooks.ON_DEATH and not isinstance(exc, JobCancelled):
             _run_death_handlers(job, exc)
         return fate
 
@@ -299,7 +328,10 @@ class Outcomes:
         # its own code, and dropping it lost a job nobody ever ran; it goes to dead, where
         # a retry sends it back once a worker that knows it runs.
         unknown = isinstance(exc, UnknownJob)
-        if retry_option(job, jobdef) is False and not unknown:
+        # An operator's cancel (forkq cancel): to dead whatever the job's retry options say,
+        # without its retries_exhausted hook, for a person to look at (and retry from there)
+        cancelled = isinstance(exc, JobCancelled)
+        if retry_option(job, jobdef) is False and not unknown and not cancelled:
             return self._ending("dropped", drop, keep, exc)
         record_failure(job, exc, now)
         # Before the retry-or-dead decision, as Sidekiq's JobRetry does: a dead entry names
@@ -309,6 +341,9 @@ class Outcomes:
             if lock is not None and "unique_queue" not in job and job["retry_queue"] != job["queue"]:
                 job["unique_queue"] = job["queue"]  # the queue its lock is named by
             job["queue"] = job["retry_queue"]
+        if cancelled:
+            return self._ending("dead", lambda token, client=None: self._cancelled(job, token, now, lock, client),
+                                keep, exc)
         count = job["retry_count"]
         over = _retry_for_over(job, now)
         if not (count >= limit if over is None else over):
@@ -329,6 +364,19 @@ class Outcomes:
             return self._ending("dropped", drop, keep, exc)
         return self._ending("dead", lambda token, client=None: self.to_dead(job, token, now, lock=lock,
                                                                            client=client), keep, exc)
+
+    def _cancelled(self, job: dict[str, Any], token: str, now: float, lock: tuple[str, str] | None,
+                   client: Any = None) -> None:
+        """A cancelled job to dead, and its cancel request deleted in the same MULTI: the
+        operator's side sees it gone once the job is in dead, and a retry from there is
+        not cancelled again."""
+        pipe = self.redis.pipeline(transaction=True) if client is None else client
+        jid = job.get("jid")
+        if type(jid) is str:
+            pipe.hdel(keys.CANCEL, jid)
+        self.to_dead(job, token, now, lock=lock, client=pipe)
+        if client is None:
+            pipe.execute()
 
     @staticmethod
     def _decide(jobdef: "Job | None", count: int, exc: BaseException) -> float | str:
