@@ -27,7 +27,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from . import logs
-from .errors import TimeLimitExceeded
+from .errors import JobCancelled, TimeLimitExceeded
 from .timelimit import WATCHDOG
 
 log = logs.get("forkq.aio")
@@ -43,6 +43,8 @@ _thread: threading.Thread | None = None
 _stale: list[asyncio.AbstractEventLoop] = []
 # the job a coroutine runs, for logs.current_job() in the loop's thread
 _TASK_JOB = logs.TASK_JOB
+# processor thread ident -> the run it waits for: what an operator's cancel stops (cancel_run)
+_runs: dict[int, "_Run"] = {}
 
 
 def _forget_after_fork() -> None:
@@ -115,7 +117,7 @@ def _serve(new: asyncio.AbstractEventLoop) -> None:
 class _Run:
     """One async job's run, shared by its processor thread and the loop's."""
 
-    __slots__ = ("coro", "done", "task", "abandoned")
+    __slots__ = ("coro", "done", "task", "abandoned", "cancelled")
 
     def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
         self.coro = coro
@@ -123,6 +125,7 @@ class _Run:
         self.done.acquire()  # released by the loop once the task ended (or never started)
         self.task: asyncio.Task[Any] | None = None
         self.abandoned = False
+        self.cancelled = False  # by an operator (cancel_run), before it ended
 
     def start(self) -> None:
         """In the loop's thread, in the job's context."""
@@ -133,6 +136,13 @@ class _Run:
 
     def _ended(self, _task: asyncio.Task[Any]) -> None:
         self.done.release()
+
+    def stop(self) -> None:
+        """In the loop's thread: an operator's cancel. The job ends as cancelled only if
+        this came before its task ended (the loop runs one or the other first)."""
+        if self.task is None or not self.task.done():
+            self.cancelled = True
+            self.cancel()
 
     def cancel(self) -> None:
         """In the loop's thread."""
@@ -175,6 +185,8 @@ def run(coro: Coroutine[Any, Any, Any], limited: bool = False) -> Any:
     running = [getattr(logs._job, "current", None)]
     ctx.run(_TASK_JOB.set, running)
     job = _Run(coro)
+    ident = threading.get_ident()
+    _runs[ident] = job
     try:
         try:
             # from here an interruption always reaches job.cancel, after job.start if that
@@ -195,10 +207,32 @@ def run(coro: Coroutine[Any, Any, Any], limited: bool = False) -> Any:
             _await_cancelled(job, exc)
             raise
         task = job.task
+        if job.cancelled:
+            # an operator's cancel: the job ends as JobCancelled, not with the CancelledError
+            # (or whatever the coroutine made of it) that stopped its task
+            if task is not None and not task.cancelled():
+                task.exception()  # read: asyncio would log it as never retrieved
+            raise JobCancelled
         assert task is not None
         return task.result()
     finally:
+        _runs.pop(ident, None)
         running[0] = None  # a task the job left running is in no job from now on
+
+
+def cancel_run(ident: int) -> bool:
+    """An operator cancelled the job thread `ident` runs (timelimit.Watchdog.cancel): if it
+    waits for a coroutine, cancel that coroutine's task on the loop, and True. The thread
+    may be blocked in one C wait, which an exception raised in it could not interrupt."""
+    job = _runs.get(ident)
+    target = _loop
+    if job is None or target is None:
+        return False
+    try:
+        target.call_soon_threadsafe(job.stop)
+    except RuntimeError:  # the loop is closed: raise in the thread instead
+        return False
+    return True
 
 
 def _await_cancelled(job: _Run, exc: BaseException) -> None:

@@ -2,7 +2,10 @@
 
 Each heartbeat also reads the lengths of its queues' suspects lists, so the manager learns
 that crash suspects wait to be run alone without a Redis command per job. Only its own
-queues': another app's suspects on the same Redis are none of its business."""
+queues': another app's suspects on the same Redis are none of its business.
+
+And, while jobs run, it looks their jids up in forkq:cancel (one HMGET in the same
+pipeline): a job an operator cancelled is interrupted within a heartbeat (Processor.cancel)."""
 
 from __future__ import annotations
 
@@ -22,8 +25,11 @@ import redis
 from . import keys, logs, scripts
 from .fetch import UNREADABLE_PAUSES, raise_first, read_paused, refusal, writes_refused
 from .manager import REDIS_ERRORS, Manager
+from .retry import cancel_request
 
 log = logs.get("forkq.launcher")
+UNREADABLE_CANCELS = (f"{keys.CANCEL} cannot be read (it must be a hash, as forkq cancel writes "
+                      "it): no running job is cancelled here until it can")
 REMOTE_SIGNALS = {"TSTP": signal.SIGTSTP, "TERM": signal.SIGTERM, "TTIN": signal.SIGTTIN,
                   "USR1": signal.SIGTSTP, "INT": signal.SIGINT}
 
@@ -84,6 +90,7 @@ class Launcher:
     _pending = (0, 0)
     _refused = False  # the last beat met fetch.writes_refused
     _pauses_unreadable = False  # the last beat could not read forkq:paused
+    _cancels_unreadable = False  # the last beat could not read forkq:cancel
 
     def _run(self) -> None:
         while True:
@@ -160,7 +167,7 @@ class Launcher:
             pipe.hset(workers, mapping={
                 str(idx): json.dumps({"queue": q, "payload": raw.decode("utf-8", "replace"),
                                       "run_at": int(at)}).encode()
-                for idx, (q, raw, at) in running})
+                for idx, (q, raw, at, _, _) in running})
             pipe.expire(workers, keys.HEARTBEAT_TTL_S)
             pipe.copy(workers, work)
         owner = self.manager.fetch.owner_json
@@ -182,6 +189,10 @@ class Launcher:
             # the paused queues this process claims nothing from (pause.wait_honoured)
             "forkq_paused": json.dumps(sorted(reported))})
         pipe.expire(self.identity, keys.HEARTBEAT_TTL_S)
+        # the running jobs' cancel requests, by the jid kept beside each payload (none parsed)
+        asked = [(idx, cur) for idx, cur in running if type(cur[3]) is str]
+        if asked:
+            pipe.hmget(keys.CANCEL, [cur[3] for _, cur in asked])
         suspects = self.manager.fetch.suspect_keys
         for key in suspects.values():
             pipe.llen(key)
@@ -189,6 +200,13 @@ class Launcher:
         pipe.hmget(keys.PAUSED, names)
         pipe.rpop(keys.signals(self.identity))
         result = pipe.execute(raise_on_error=False)
+        if asked:
+            # before any error of the others is raised: a cancel is not held up by them
+            requests = result.pop(-3 - len(names))
+            try:
+                self._cancel(asked, requests)
+            except Exception:  # a fault here must not lose the signal popped below
+                log.exception("could not act on cancel requests")
         raise_first(result[:-2] + result[-1:])  # all but forkq:paused's read (UNREADABLE_PAUSES)
         self._flushed = self._pending
         paused = read_paused(names, result[-2])
@@ -209,6 +227,20 @@ class Launcher:
             # acted on even if the switch's writes failed: the RPOP above has taken the
             # signal off its list, and raised past, it was lost
             self._after_beat(result, names, paused)
+
+    def _cancel(self, asked: list[tuple[int, Any]], requests: Any) -> None:
+        """Interrupt each running job that HMGET forkq:cancel found a request for."""
+        if isinstance(requests, Exception):  # WRONGTYPE: a hand-made key of another type
+            if not self._cancels_unreadable:  # one line as it starts, not one a beat
+                log.error(UNREADABLE_CANCELS, error=str(requests))
+            self._cancels_unreadable = True
+            return
+        self._cancels_unreadable = False
+        processors = self.manager.processors
+        for (idx, cur), request in zip(asked, requests):
+            if request is not None and processors[idx].cancel(cur, request):
+                by, reason = cancel_request(request)
+                log.info("cancelling a running job", jid=cur[3], by=by, reason=reason)
 
     def _after_beat(self, result: list[Any], names: list[str], paused: frozenset[str]) -> None:
         # jobs a crash made suspects: the manager runs them one at a time, each alone;

@@ -12,12 +12,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import batch, chains, hooks, keys, logs, payload, results, unique
-from .errors import MalformedPayload, OverLimit, TimeLimitExceeded, UnknownJob
+from .errors import JobCancelled, MalformedPayload, OverLimit, TimeLimitExceeded, UnknownJob
 from .fetch import Unit
 from .jobs import lookup
 from .metrics import JobTable
-from .retry import (MALFORMED_QUEUE, MESSAGE_LIMIT, Outcomes, dead_entry_for_malformed, message,
-                    overlimit_count, overlimit_delay)
+from .retry import (MALFORMED_QUEUE, MESSAGE_LIMIT, Outcomes, cancel_message, cancel_request,
+                    dead_entry_for_malformed, message, overlimit_count, overlimit_delay)
 from .timelimit import WATCHDOG, describe
 
 if TYPE_CHECKING:
@@ -27,6 +27,11 @@ log = logs.get("forkq.processor")
 
 # what _run_limited returns for a job the watchdog gave up on
 _GIVEN_UP: Any = object()
+
+
+class _GivenUp(BaseException):
+    """Raised past a cancelled job without a time limit that the watchdog gave up on (and
+    recorded): its thread, back from the call it was stuck in, records nothing."""
 
 # True in a copy of a worker made by os.fork() inside job code; see guard_forks
 _in_copy = False
@@ -119,8 +124,17 @@ class Processor:
         self.outcomes = outcomes
         self.processed = 0
         self.failed = 0
-        # (queue, raw payload, started epoch s) while a job runs: read by the heartbeat
-        self.current: tuple[str, bytes, float] | None = None
+        # (queue, raw payload, started epoch s, jid, in-flight token) while a job runs: read
+        # by the heartbeat, which shows the first three and looks the jid up in forkq:cancel
+        self.current: tuple[str, bytes, float, Any, str] | None = None
+        # A cancel's handshake with the job's thread (see cancel() and _perform): the thread
+        # is inside an unlimited job's run while `cancellable`; the heartbeat sets
+        # `cancelling` before it looks, and a job that ends finding it set takes the slow
+        # path. `ident`: this processor's thread, once it runs.
+        self.cancellable = False
+        self.cancelling = False
+        self.cancel_request: Any = None  # the forkq:cancel entry of the last cancel raised here
+        self.ident: int | None = None
         self.thread = threading.Thread(target=self.run, name=f"forkq-processor-{index}", daemon=True)
         self._log_jobs = logs.enabled("info")
 
@@ -138,6 +152,7 @@ class Processor:
             self.manager.thread_lost(self.index)
 
     def _serve(self) -> None:
+        self.ident = threading.get_ident()
         take = self.manager.take
         bell = threading.Lock()
         bell.acquire()  # held while running: whoever has a job for this thread releases it
@@ -199,7 +214,7 @@ class Processor:
         if "forkq_chain" in job:  # the one test a job of no chain pays
             keep = chains.Next(keep, after)
         jobdef = lookup(name)
-        self.current = (unit.queue, unit.raw, time.time())
+        self.current = (unit.queue, unit.raw, time.time(), job.get("jid"), unit.token)
         logs.set_job(job.get("jid"), payload.display_name(job), unit.queue, job)
         try:
             acked = self._perform(unit, job, name, jobdef, keep)
@@ -267,7 +282,28 @@ class Processor:
                 raise UnknownJob(f"no job named {name!r} is registered in this worker "
                                  "(is its module in --require, or is a deploy rolling out?)")
             if jobdef.time_limit is None:
-                value = self._run(jobdef.fn, job, unit.queue)
+                try:
+                    self.cancellable = True
+                    value = self._run(jobdef.fn, job, unit.queue)
+                finally:
+                    # The race "the job returns (or raises) just as it is cancelled". The
+                    # heartbeat's cancel() sets `cancelling`, then, under the watchdog's lock,
+                    # raises JobCancelled here only if `cancellable` still holds. This thread
+                    # does the reverse: clears `cancellable`, then reads `cancelling`. The GIL
+                    # runs the four steps in some single order, so at least one side sees the
+                    # other's write:
+                    # - the cancel sees `cancellable` cleared: it raises nothing;
+                    # - this sees `cancelling` set: _cancel_ended's disarm takes the same
+                    #   lock, so it runs after a raise the cancel made (and withdraws the
+                    #   exception if still pending), or before the cancel's check, which then
+                    #   finds the window closed.
+                    # An exception that lands before the withdrawal lands here, inside the
+                    # try: the job ends cancelled, its return value dropped, never also
+                    # done. None lands after this, in forkq's code or the next job. Without
+                    # a cancel the cost is two attribute writes and a read: no lock.
+                    self.cancellable = False
+                    if self.cancelling:
+                        self._cancel_ended()
             else:
                 value = self._run_limited(unit, jobdef, job)
                 if value is _GIVEN_UP:
@@ -277,6 +313,17 @@ class Processor:
             if _in_copy:
                 _leave_copy(exc)
             self.current = None
+            if exc.__class__ is _GivenUp:
+                return False  # given up by the watchdog, which recorded its cancellation
+            if exc.__class__ is JobCancelled:
+                # it may have landed as _cancel_ended began: finish it (nothing more can land)
+                self.cancelling = False
+                ident = threading.get_ident()
+                WATCHDOG.disarm(ident)
+                if not WATCHDOG.settle(ident):
+                    return False
+                if not exc.args:  # raised by the watchdog, a bare class: say who cancelled it
+                    exc.args = (cancel_message(self.cancel_request),)
             if self.manager.hard_stopped:
                 # cut off by a hard stop: the job goes back to its queue, not to retry
                 raise
@@ -308,6 +355,9 @@ class Processor:
             except Exception:
                 log.exception("could not record a failure; the job stays in flight and will run again",
                               jid=job.get("jid"))
+                return False
+            if exc.__class__ is JobCancelled:
+                self._log_cancelled(job, fate, elapsed_ms=round(elapsed, 2))
                 return False
             log.warning("fail", elapsed_ms=round(elapsed, 2), fate=fate,
                         error=f"{type(exc).__name__}: {message(exc)[:MESSAGE_LIMIT]}")  # as stored
@@ -381,7 +431,7 @@ class Processor:
             finally:
                 WATCHDOG.disarm(ident)
         except BaseException as exc:
-            if type(exc) is TimeLimitExceeded:
+            if type(exc) is TimeLimitExceeded or type(exc) is JobCancelled:
                 # it may have landed as the disarm above began: this one finishes it, and
                 # nothing more can land (inside _perform's try, so never in forkq's own code)
                 WATCHDOG.disarm(ident)
@@ -389,6 +439,58 @@ class Processor:
                 raise
             return _GIVEN_UP
         return value if WATCHDOG.settle(ident) else _GIVEN_UP
+
+    def _cancel_ended(self) -> None:
+        """A job without a time limit ended with `cancelling` set: withdraw the cancel's
+        JobCancelled if it is still pending; _GivenUp if the watchdog gave the job up."""
+        self.cancelling = False
+        ident = threading.get_ident()
+        WATCHDOG.disarm(ident)
+        if not WATCHDOG.settle(ident):
+            raise _GivenUp
+
+    def cancel(self, cur: tuple[str, bytes, float, Any, str], request: Any) -> bool:
+        """Interrupt the job of `cur` (a value of `current` the heartbeat read), which an
+        operator cancelled; `request` is its forkq:cancel entry. Called by the heartbeat's
+        thread. False if this thread no longer runs that job, or was interrupted already."""
+        ident = self.ident
+        if ident is None:
+            return False
+        self.cancelling = True  # before the watchdog looks at the window: see _perform
+
+        def in_job(armed: bool) -> bool:  # with the watchdog's lock held
+            if self.current is not cur or not (armed or self.cancellable):
+                return False
+            self.cancel_request = request  # the message of the JobCancelled about to land
+            return True
+
+        aio = sys.modules.get("forkq.aio")  # loaded only by an app with async jobs
+        interrupt = None if aio is None else functools.partial(aio.cancel_run, ident)
+        unit = Unit(cur[4], cur[0], cur[1])
+        return WATCHDOG.cancel(ident, cur[3], in_job,
+                               functools.partial(self._give_up_cancelled, unit, request), interrupt)
+
+    def _give_up_cancelled(self, unit: Unit, request: Any, limit: float | None, over: float) -> None:
+        """Record the cancellation of a job stuck in a call that cannot be interrupted, run
+        by the watchdog in a thread of its own once --time-limit-grace passed."""
+        exc = JobCancelled(f"{cancel_message(request)} (the job could not be interrupted: given up "
+                           f"{over:.0f} s after its cancel)")
+        job = payload.parse(unit.raw)
+        job["queue"] = unit.queue
+        self.failed += 1
+        try:
+            fate = self.manager.write(self.outcomes.failed, job, exc, unit.token, lookup(job["class"]))
+        except Exception:
+            log.exception("could not record the cancellation of a job that could not be interrupted; "
+                          "it stays in flight, and runs again once its process is replaced",
+                          jid=job.get("jid"))
+            return
+        self._log_cancelled(job, fate, request=request, queue=unit.queue,
+                            **{"class": payload.display_name(job)})
+
+    def _log_cancelled(self, job: dict[str, Any], fate: str, request: Any = None, **fields: Any) -> None:
+        by, reason = cancel_request(self.cancel_request if request is None else request)
+        log.warning("cancelled", jid=job.get("jid"), by=by, reason=reason, fate=fate, **fields)
 
     def _give_up(self, unit: Unit, jobdef: Any, limit: float, over: float) -> None:
         """Record the failure of a job stuck past its limit in a call that cannot be

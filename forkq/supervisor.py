@@ -689,8 +689,9 @@ class Supervisor:
             return  # one recycle at a time keeps the other children working
         for child in self.children.values():
             if child.stuck and self.state == "running":
-                log.warning("a job of this child ran past its time limit; replacing the child, "
-                            "which interrupting the job may have left with a lock held",
+                log.warning("a job of this child was interrupted (past its time limit, or "
+                            "cancelled); replacing the child, which interrupting the job may "
+                            "have left with a lock held",
                             slot=child.slot, child_pid=child.pid)
                 self.retire(child, "time_limit")
                 return

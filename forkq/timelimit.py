@@ -17,6 +17,12 @@ pools; logging's before 3.13), and then threads that later use it hang; a new pr
 starts clean, and frees a thread stuck in a call too.
 
 Arming and disarming cost a lock and a dict entry, only for jobs that have a limit.
+
+The same watchdog interrupts a job an operator cancelled (`forkq cancel`, see cancel()):
+JobCancelled instead of TimeLimitExceeded, raised by the heartbeat's thread, withdrawn the
+same way if it is still pending when the job ends, given up after the same grace, and
+followed by the same request to be replaced. A job is interrupted once, by whichever of
+its limit and a cancel comes first.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import logs
-from .errors import TimeLimitExceeded
+from .errors import JobCancelled, TimeLimitExceeded
 
 log = logs.get("forkq.timelimit")
 
@@ -39,7 +45,9 @@ log = logs.get("forkq.timelimit")
 GRACE_S = 10.0
 _NEVER = float("inf")
 
-GiveUp = Callable[[float, float], None]  # (limit, seconds past it): record the job's failure
+# (limit, seconds past it, or past a cancel; limit None for an unlimited job): record the
+# job's failure
+GiveUp = Callable[[float | None, float], None]
 
 
 class Watchdog:
@@ -68,9 +76,9 @@ class Watchdog:
         self._wakeups: queue.SimpleQueue[None] = queue.SimpleQueue()
         # thread ident -> (deadline on the monotonic clock, limit, jid, give_up)
         self._armed: dict[int, tuple[float, float, Any, GiveUp | None]] = {}
-        # thread ident -> (time the limit fired, limit, jid, give_up) of jobs interrupted,
-        # not yet ended
-        self._fired: dict[int, tuple[float, float, Any, GiveUp | None]] = {}
+        # thread ident -> (time the limit fired, limit, jid, give_up, what was raised) of jobs
+        # interrupted, not yet ended; limit is None for a cancelled job that had none
+        self._fired: dict[int, tuple[float, float | None, Any, GiveUp | None, type[BaseException]]] = {}
         self._given_up: set[int] = set()
         self._wake_at = _NEVER
         self._thread: threading.Thread | None = None
@@ -111,6 +119,46 @@ class Watchdog:
                 return False
         return True
 
+    def cancel(self, ident: int, jid: Any, in_job: Callable[[bool], bool], give_up: GiveUp | None,
+               interrupt: Callable[[], bool] | None = None) -> bool:
+        """Interrupt the job `jid` that thread `ident` runs, cancelled by an operator: raise
+        JobCancelled in it, or, if `interrupt()` says it did (an async job's task cancelled
+        on the loop), leave that to it. Called by the heartbeat's thread; True if it fired.
+
+        `in_job(armed)`, called with the lock held, says whether the thread is still inside
+        that job's run: `armed` is True while the job's time limit is armed (arm/disarm, under
+        this lock, bound its run), else the caller knows from a window its thread marks
+        itself (Processor._perform, which also says why that is enough). Not again for a
+        job interrupted already (its limit fired, or an earlier beat's cancel): a second
+        exception could land after the job, in forkq's code. The job's limit no longer fires
+        after this; disarm withdraws the exception as it does a limit's, and a job that has
+        not ended `grace` seconds later is given up through `give_up`."""
+        if self._thread is None:
+            with self._starting:
+                if self._thread is None:
+                    self._start()
+        with self._lock:
+            if ident in self._fired:
+                return False
+            armed = self._armed.get(ident)
+            if not in_job(armed is not None):
+                return False
+            if armed is not None:
+                del self._armed[ident]
+            now = time.monotonic()
+            handled = interrupt is not None and interrupt()
+            self._fired[ident] = (now, None if armed is None else armed[1], jid, give_up, JobCancelled)
+            if not handled:
+                self._raise(ident, JobCancelled)
+            wake = now + self.grace < self._wake_at
+        if wake:
+            self._wakeups.put(None)
+        # an exception landing at any bytecode may have left a lock held, as a limit's may;
+        # an async job's task was cancelled at an await, where nothing is left half-done
+        if not handled and self.on_fire is not None:
+            self.on_fire()
+        return True
+
     def _start(self) -> None:
         import ctypes  # only in a process that runs limited jobs: it costs a few ms to import
         setter = ctypes.pythonapi.PyThreadState_SetAsyncExc
@@ -131,12 +179,12 @@ class Watchdog:
                 fired = self._fire_due(now)
                 stuck = self._stuck(now)
                 wake = min((d for d, _, _, _ in self._armed.values()), default=_NEVER)
-                report = min((f + self.grace for f, _, _, _ in self._fired.values()), default=_NEVER)
+                report = min((f[0] + self.grace for f in self._fired.values()), default=_NEVER)
                 self._wake_at = wake = min(wake, report)
             if fired and self.on_fire is not None:  # outside the lock: arm waits on it
                 self.on_fire()
-            for jid, limit, over, stack, give_up in stuck:
-                self._give_up(jid, limit, over, stack, give_up)
+            for jid, limit, over, stack, give_up, kind in stuck:
+                self._give_up(jid, limit, over, stack, give_up, kind)
             if stuck:
                 continue
             try:
@@ -149,7 +197,7 @@ class Watchdog:
         due = [i for i, (deadline, _, _, _) in self._armed.items() if deadline <= now]
         for ident in due:
             _, limit, jid, give_up = self._armed.pop(ident)
-            self._fired[ident] = (now, limit, jid, give_up)
+            self._fired[ident] = (now, limit, jid, give_up, TimeLimitExceeded)
             self._raise(ident, TimeLimitExceeded)
         return len(due)
 
@@ -162,9 +210,9 @@ class Watchdog:
         now = time.monotonic()
         with self._lock:
             taken = []
-            for ident, (fired, limit, jid, give_up) in list(self._fired.items()):
+            for ident, (fired, limit, jid, give_up, kind) in list(self._fired.items()):
                 if give_up is not None:
-                    self._fired[ident] = (_NEVER, limit, jid, None)
+                    self._fired[ident] = (_NEVER, limit, jid, None, kind)
                     self._given_up.add(ident)
                     taken.append((give_up, limit, now - fired))
             pending = list(self._giving_up)
@@ -174,31 +222,40 @@ class Watchdog:
         for thread in pending:
             thread.join(max(0.0, until - time.monotonic()))
 
-    def _stuck(self, now: float) -> list[tuple[Any, float, float, str, GiveUp | None]]:
-        """Jobs still running `grace` past their limit, each taken over once; lock held."""
+    def _stuck(self, now: float) -> list[tuple[Any, float | None, float, str, GiveUp | None, type[BaseException]]]:
+        """Jobs still running `grace` past their limit (or their cancel), each taken over
+        once; lock held."""
         stuck = []
-        for ident, (fired, limit, jid, give_up) in list(self._fired.items()):
+        for ident, (fired, limit, jid, give_up, kind) in list(self._fired.items()):
             if now - fired < self.grace:
                 continue
             # the entry stays, for disarm to withdraw the exception still pending, with a
             # time that never comes due again
-            self._fired[ident] = (_NEVER, limit, jid, None)
+            self._fired[ident] = (_NEVER, limit, jid, None, kind)
             if give_up is not None:
                 self._given_up.add(ident)
             frame = sys._current_frames().get(ident)
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "(thread gone)"
-            stuck.append((jid, limit, now - fired, stack, give_up))
+            stuck.append((jid, limit, now - fired, stack, give_up, kind))
         return stuck
 
-    def _give_up(self, jid: Any, limit: float, over: float, stack: str, give_up: GiveUp | None) -> None:
-        if give_up is None:
+    def _give_up(self, jid: Any, limit: float | None, over: float, stack: str, give_up: GiveUp | None,
+                 kind: type[BaseException] = TimeLimitExceeded) -> None:
+        if kind is JobCancelled:
+            log.error("a cancelled job could not be interrupted (its thread is in a call that has "
+                      "not returned); recording its cancellation without it", jid=jid,
+                      over_s=round(over, 1), stack=stack)
+        elif give_up is None:
             log.warning("job ran past its time limit and was not interrupted: its thread is in a "
                         "call that cannot be interrupted, and the job fails when that call returns",
                         jid=jid, time_limit_s=limit, over_s=round(over, 1), stack=stack)
             return
-        log.error("job ran past its time limit and could not be interrupted (its thread is in a "
-                  "call that has not returned); recording its failure", jid=jid, time_limit_s=limit,
-                  over_s=round(over, 1), stack=stack)
+        else:
+            log.error("job ran past its time limit and could not be interrupted (its thread is in a "
+                      "call that has not returned); recording its failure", jid=jid, time_limit_s=limit,
+                      over_s=round(over, 1), stack=stack)
+        if give_up is None:
+            return
         # its own thread: the write rides out a Redis outage, and limits must keep firing
         thread = threading.Thread(target=give_up, args=(limit, over), name="forkq-timelimit-give-up",
                                   daemon=True)

@@ -114,10 +114,11 @@ class Worker:
         return self._stop()
 
     def _interrupted(self) -> None:
-        """A job's time limit fired: ask the master for a fresh process (see timelimit)."""
+        """A job's time limit fired, or a cancel interrupted a job: ask the master for a
+        fresh process (see timelimit)."""
         if self.report_fd is None:
-            log.warning("a job was interrupted at its time limit; a lock it held in a library may "
-                        "stay held: restart this worker if its jobs hang")
+            log.warning("a job was interrupted (its time limit, or a cancel); a lock it held in a "
+                        "library may stay held: restart this worker if its jobs hang")
             return
         try:
             os.write(self.report_fd, b"L\n")

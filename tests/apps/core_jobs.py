@@ -260,6 +260,15 @@ def spin_limited(tag):
             note("swallowed", tag)
 
 
+@forkq.job(retry=5)
+def spin_forever(tag):
+    """Runs Python code for up to 20 s with no time limit: a cancel (or a stop) ends it."""
+    note("start", tag)
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        sum(range(1000))
+
+
 @forkq.job(time_limit=5)
 def quick_limited(tag):
     note("limited", tag)
