@@ -180,8 +180,8 @@ OPTIONS = [
     Option("--hang-timeout", "hang_timeout", seconds,
            "seconds without a ping before a child is killed as hung (default 30)"),
     Option("--time-limit-grace", "time_limit_grace", seconds,
-           "seconds a job may run past its time_limit, stuck in a call that cannot be interrupted, "
-           "before its failure is recorded without it (default 10)"),
+           "seconds a job may run past its time_limit (or past an operator's cancel), stuck in a "
+           "call that cannot be interrupted, before its failure is recorded without it (default 10)"),
     Option("--poison-after", "poison_after", positive_int,
            "deaths (of a child or a whole forkq) a job may cause before it goes to the dead set (default 3)"),
     Option("--recovery-delay", "recovery_delay", seconds,
