@@ -116,6 +116,16 @@ async def nap(tag: str) -> None:
         ran.append(f"cleaned {tag}")
 
 
+@forkq.job(queue=QUEUE, name="cw.limited_nap", time_limit=10, retry=5)
+async def limited_nap(tag: str) -> None:
+    _mark(tag)
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        ran.append(f"cancelled {tag}")
+        raise ValueError("what the coroutine made of it")  # still ends as JobCancelled
+
+
 @forkq.job(queue=QUEUE, name="cw.brief")
 def brief(n: int) -> int:
     end = time.perf_counter() + 0.0001 * (n % 7)
@@ -296,6 +306,21 @@ def test_an_async_job_without_a_limit_has_its_task_cancelled_and_ends_as_job_can
     assert not running.fired, "an async job cancelled at an await leaves no lock held"
     quick.enqueue("after")
     wait_until(lambda: "after" in ran, timeout=5, message="the thread ran the next job")
+
+
+@pytest.mark.timeout(20)
+def test_an_async_job_under_a_time_limit_is_cancelled_on_the_loop_too(running, r):
+    """Its thread polls for the task (where a time limit's exception can land); the
+    cancel goes to the task all the same, and whatever the coroutine raised on it, the
+    job ends as JobCancelled, its limit disarmed."""
+    running(concurrency=1)
+    jid = limited_nap.enqueue("ln")
+    wait_started("ln")
+    ask_cancel(r, jid)
+    (entry,) = wait_dead(r)
+    assert entry["error_class"] == "forkq.JobCancelled"
+    assert "cancelled ln" in ran
+    assert r.zcard("retry") == 0 and not running.fired
 
 
 @pytest.mark.timeout(20)
