@@ -19,10 +19,10 @@ import redis
 import structlog
 
 import forkq
-from forkq import aio, hooks, keys, timelimit
+from forkq import aio, hooks, keys
 from forkq import launcher as launcher_mod
 from forkq import processor as processor_mod
-from forkq.errors import JobCancelled, JobFailed
+from forkq.errors import JobFailed
 from forkq.launcher import Launcher
 from forkq.manager import Manager
 from forkq.queues import QueueOrder
@@ -366,9 +366,9 @@ def test_a_job_that_swallows_its_cancel_is_done_once_and_never_given_up_later(ru
 
 @pytest.mark.timeout(20)
 def test_an_unreadable_cancel_hash_is_logged_once_and_the_heartbeat_goes_on(running, r, monkeypatch):
-    monkeypatch.setattr(launcher_mod, "log", structlog.get_logger("forkq.launcher"))
     r.sadd(keys.CANCEL, "x")
     with structlog.testing.capture_logs() as logged:
+        # a logger made under capture_logs: the module's may be cached by an earlier test
         monkeypatch.setattr(launcher_mod, "log", structlog.get_logger("forkq.launcher"))
         running(concurrency=1)
         spin.enqueue("w")
@@ -383,10 +383,10 @@ def test_an_unreadable_cancel_hash_is_logged_once_and_the_heartbeat_goes_on(runn
 @pytest.mark.timeout(30)
 def test_cancels_racing_jobs_that_end_never_leak_into_the_next_job_or_forkq(running, r, monkeypatch,
                                                                              request):
-    """Cancels aimed at jobs as they end, many times: each job ends one way (done, or dead
-    as cancelled), and no JobCancelled lands after its job, in forkq's own code (_fault)
-    or in the next job (which would show as a second dead entry for... a job never
-    cancelled, or a count off)."""
+    """Cancels aimed at a thread's jobs back to back, many landing as a job ends: each job
+    ends one way (done, or dead as cancelled, once), and no JobCancelled lands outside its
+    job, in forkq's own code (it would reach Processor._fault). Fails when cancel() does
+    not check the thread's window (only that it still runs the job)."""
     faults: list[BaseException] = []
     real_fault = processor_mod.Processor._fault
 
