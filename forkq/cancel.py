@@ -27,6 +27,7 @@ import redis
 
 from . import control, keys, payload, results, scripts
 from .errors import MalformedPayload
+from .retry import CANCELLED_CLASS, cancel_message
 
 if TYPE_CHECKING:
     from . import api
@@ -36,7 +37,6 @@ SCAN_BYTES = 8 << 20  # and their bytes, past which it looks at no further slice
 PRUNE_AFTER_S = 24 * 3600  # a request older than this is pruned when another is written
 PRUNE_SAMPLE = 20  # requests one write looks at for pruning
 AGAIN_S = 1.0  # how long a job found nowhere is looked for again (in transit between keys)
-CANCELLED_CLASS = "forkq.JobCancelled"
 
 WAITING = ("queued", "suspect", "scheduled", "retry")
 STATES = ("removed", "cancelled", "finished", "not_found", "not_forkq", "pending")
@@ -51,10 +51,6 @@ def check_jid(jid: Any) -> str:
     return jid
 
 
-def message(by: str | None, reason: str | None) -> str:
-    """The error_message of a cancelled job in `dead` (the worker side writes the same)."""
-    text = f"cancelled by {by or 'an operator'}"
-    return f"{text}: {reason}" if reason else text
 
 
 @dataclass(frozen=True)
@@ -239,11 +235,14 @@ def _in_queues(conn: redis.Redis, jid: str) -> Location | None:
     return None
 
 
-def running_on(conn: redis.Redis, jid: str,
-               identities: list[str]) -> dict[str, tuple[str, bytes | str]]:
+def running_on(conn: redis.Redis, jid: str, identities: list[str],
+               forkq: frozenset[str] | set[str] = frozenset()) -> dict[str, tuple[str, bytes | str]]:
     """identity -> ("work", entry) or ("inflight", entry) for each of these processes that
     shows the job in its running jobs (either Sidekiq name of the hash) or, for a forkq
-    process, in its in-flight hash. One round trip."""
+    process, in its in-flight hash. One round trip. For the `forkq` processes among them
+    (those in the owners registry) "work" needs both: their running jobs are written at
+    each heartbeat, and a job they ended since is still shown there until the next one,
+    while it leaves the in-flight hash as it ends."""
     find = scripts.load(conn, "find_jid")
     pipe = conn.pipeline(transaction=False)
     for identity in identities:
@@ -253,7 +252,7 @@ def running_on(conn: redis.Redis, jid: str,
     out: dict[str, tuple[str, bytes | str]] = {}
     for i, identity in enumerate(identities):
         work, inflight = replies[2 * i], replies[2 * i + 1]
-        if work:
+        if work and (inflight or identity not in forkq):
             out[identity] = ("work", work[1])
         elif inflight:
             out[identity] = ("inflight", inflight[1])
@@ -265,10 +264,11 @@ def _running(conn: redis.Redis, jid: str) -> Location | None:
     pipe.smembers(keys.PROCESSES)
     pipe.hkeys(keys.OWNERS)
     members, owners = pipe.execute()
-    identities = sorted({_text(m) for m in members} | {_text(o) for o in owners})
+    forkq = {_text(o) for o in owners}
+    identities = sorted({_text(m) for m in members} | forkq)
     if not identities:
         return None
-    hits = running_on(conn, jid, identities)
+    hits = running_on(conn, jid, identities, forkq)
     # a process showing it as running wins over one that holds it in flight
     for identity, (kind, value) in sorted(hits.items(), key=lambda h: h[1][0] != "work"):
         return _where_running(conn, jid, identity, kind, value)
@@ -293,9 +293,9 @@ def _where_running(conn: redis.Redis, jid: str, identity: str, kind: str,
 
 def reads_cancels(hb: dict[str, Any]) -> bool:
     """Whether the process of this heartbeat (control.heartbeat) acts on cancel requests:
-    forkq processes do, and tell themselves apart from Ruby Sidekiq by the `forkq_paused`
-    field they write (see pause.py); Sidekiq never reads forkq:cancel."""
-    return hb["paused"] is not None
+    a forkq worker says so in its info (`forkq_cancel`); Ruby Sidekiq, and a forkq from
+    before cancels, never read forkq:cancel."""
+    return hb["info"].get("forkq_cancel") is True
 
 
 # -- cancel -----------------------------------------------------------------------------
@@ -371,13 +371,9 @@ def cancel(conn: redis.Redis, jid: str, reason: str | None = None, by: str | Non
     if not wait >= 0:
         raise ValueError(f"wait must be 0 or more seconds, not {wait!r}")
     _, standing = request(conn, jid, reason, by)
-    text = message(_str(standing.get("by")), _str(standing.get("reason")))
+    text = cancel_message(standing)
     deadline = time.monotonic() + wait
     return _Canceller(conn, jid, text, deadline, poll).run()
-
-
-def _str(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
 
 
 class _Canceller:

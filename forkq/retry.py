@@ -170,10 +170,11 @@ CANCELLED_CLASS = "forkq.JobCancelled"
 
 
 def cancel_request(raw: Any) -> tuple[str | None, str | None]:
-    """(by, reason) of a forkq:cancel entry (keys.CANCEL); None for what it lacks, both for
-    an entry that is no JSON object (written by hand: still a cancel, as the workers read it)."""
+    """(by, reason) of a forkq:cancel entry (keys.CANCEL), raw or parsed; None for what it
+    lacks, both for an entry that is no JSON object (written by hand: still a cancel, as
+    the workers read it)."""
     try:
-        record = json.loads(raw)
+        record = raw if isinstance(raw, dict) else json.loads(raw)
     except (TypeError, ValueError):
         return None, None
     if not isinstance(record, dict):

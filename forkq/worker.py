@@ -90,7 +90,9 @@ class Worker:
                         if metered else None)
         info = {"tag": s.tag, "concurrency": s.concurrency, "queues": self.manager.fetch.order.names,
                 "weights": [{n: w for n, w in s.queues}], "labels": s.labels, "version": __version__,
-                "embedded": False, "forkq": True, "master": self.master, "slot": self.slot}
+                "embedded": False, "forkq": True, "master": self.master, "slot": self.slot,
+                # acts on forkq:cancel at its heartbeat (cancel.reads_cancels)
+                "forkq_cancel": True}
         self.launcher = Launcher(conn, self.identity, self.manager, info, self.remote_command,
                                  s.heartbeat_interval)
         self.scheduler = Scheduler(conn, self.manager.outcomes, s.poll_interval)

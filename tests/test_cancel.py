@@ -16,6 +16,7 @@ import forkq
 from forkq import api, cancel, keys, scripts
 from forkq.cli import main
 from helpers import wait_until
+from corekit import core_jobs, forkq_client, wait_records, workers  # noqa: F401 (fixtures)
 
 IDENTITY = "host-1:4242:abcdef"
 
@@ -34,10 +35,12 @@ def _beat(r, identity: str = IDENTITY, running: dict | None = None, beat: float 
     """A heartbeat and running-jobs hash as a live process writes them (launcher.beat)."""
     pipe = r.pipeline(transaction=True)
     pipe.sadd(keys.PROCESSES, identity)
-    fields = {"info": json.dumps({"hostname": "host-1", "pid": 4242, "queues": ["a"]}),
-              "busy": 1 if running else 0, "beat": beat, "quiet": "false"}
+    info = {"hostname": "host-1", "pid": 4242, "queues": ["a"]}
+    fields = {"busy": 1 if running else 0, "beat": beat, "quiet": "false"}
     if forkq_process:
+        info["forkq_cancel"] = True
         fields["forkq_paused"] = "[]"
+    fields["info"] = json.dumps(info)
     pipe.hset(identity, mapping=fields)
     pipe.delete(keys.work(identity))
     if running:
@@ -353,3 +356,27 @@ def test_the_sorted_sets_are_searched_in_redis_from_the_top_while_their_low_end_
     r.zremrangebyrank(keys.SCHEDULE, 0, 4)  # five fall due and leave
     found, _, _, raw, score = find(keys=[keys.SCHEDULE], args=["zset", target, start, 5_000, 1 << 30])
     assert json.loads(raw)["jid"] == target and float(score) == 1_010.0
+
+
+@pytest.mark.timeout(40)
+def test_forkq_cancel_stops_a_job_running_on_a_real_worker(workers, forkq_client, r, redis_url, capsys):
+    """Both sides for real: `forkq cancel` writes the request and waits; a `forkq start`
+    worker's heartbeat interrupts the job and writes it to dead; the command says so."""
+    worker = workers(concurrency=1, extra_args=["--heartbeat-interval", "0.5"])
+    jid = core_jobs.spin_forever.enqueue("e2e")
+    wait_records(r, 1, worker, kind="start")
+    assert cancel.locate(r, jid).state in ("claimed", "running")  # "running" from its next beat
+    capsys.readouterr()
+    started = time.monotonic()
+    assert main(["cancel", jid, "--reason", "runaway", "--wait", "20", "--redis-url", redis_url]) == 0
+    took = time.monotonic() - started
+    out = capsys.readouterr().out
+    assert "cancelled" in out and jid in out, out
+    (entry,) = _dead(r)
+    assert entry["jid"] == jid and entry["error_class"] == "forkq.JobCancelled"
+    assert entry["error_message"].endswith(": runaway") and not r.hexists(keys.CANCEL, jid)
+    assert took < 10, took  # within a heartbeat or two, not the whole --wait
+    where = cancel.locate(r, jid)
+    assert where.state == "dead"
+    core_jobs.record.enqueue("after")  # the worker goes on
+    wait_records(r, 1, worker, kind="record")
