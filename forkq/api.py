@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -32,7 +33,13 @@ from .fetch import crash_id
 from .retry import MALFORMED_CLASS
 
 DEFAULT_PAGE = 500
-CLEAR_PAGE = 1000  # entries SortedSet.clear() looks at in one script call
+CLEAR_PAGE = 1000  # entries SortedSet.clear() and Queue.clear() look at in one script call
+# Queue.delete: entries forget.lua reads at most, in one call, looking for jobs that pushes
+# and removals moved from where they were read (a call that finds them where they were
+# reads only them); Queue.apply: how long it gathers matches for one delete at most (a
+# delete of jobs read longer ago finds more of them moved)
+NEAR_SEARCH = 20_000
+APPLY_GATHER_S = 0.5
 
 
 def connect(url: str | None = None) -> redis.Redis:
@@ -128,29 +135,169 @@ class _List:
             pipe.lrange(self.key, offset, offset + count - 1)
         size, rows = pipe.execute()
         if not next_first:
-            return [self._entry(raw, float(offset + i)) for i, raw in enumerate(rows)]
+            return [self._entry(raw, float(offset + i), int(size)) for i, raw in enumerate(rows)]
         first = max(0, int(size) - offset - count)  # the index of rows[0]
-        return [self._entry(raw, float(first + i)) for i, raw in reversed(list(enumerate(rows)))]
+        return [self._entry(raw, float(first + i), int(size))
+                for i, raw in reversed(list(enumerate(rows)))]
 
-    def _entry(self, raw: bytes, index: float) -> "Entry":
+    def _entry(self, raw: bytes, index: float, size: int) -> "Entry":
         return Entry.of(raw, index)
 
 
 class Queue(_List):
-    """One queue's jobs (see _List for indices and pages)."""
+    """One queue's jobs (see _List for indices and pages), and the changes an operator makes
+    to them: delete some, or all (clear)."""
 
-    def __init__(self, conn: redis.Redis, name: str) -> None:
+    def __init__(self, conn: redis.Redis, name: str, page_size: int = DEFAULT_PAGE) -> None:
+        if page_size < 1:
+            raise ValueError("page_size must be at least 1")
         super().__init__(conn, name, keys.queue(name))
+        self.page_size = page_size
 
     def listed(self) -> bool:
         """Whether the `queues` set names it (an empty queue is still a queue)."""
         return bool(self.redis.sismember(keys.QUEUES, self.name))
 
-    def delete(self, raw: bytes) -> int:
-        """Remove one job: the first entry with exactly these bytes (LREM 1). Equal bytes
-        are the same job pushed twice, so which copy goes does not matter. A unique job's
-        lock goes with it."""
-        return _forget(self.redis, self.key, "list", [Entry.of(raw, 0.0)])
+    def _entry(self, raw: bytes, index: float, size: int) -> "Queued":
+        return Queued.of(raw, index, size - 1 - int(index))
+
+    def page(self, offset: int, count: int, next_first: bool = False) -> list[Queued]:
+        """As _List.page, each entry with its `position` (0 runs next) as read."""
+        return super().page(offset, count, next_first)  # type: ignore[return-value]
+
+    def __iter__(self) -> Iterator[Queued]:
+        return self.entries()
+
+    def entries(self, where: Filter | None = None, next_first: bool = True) -> Iterator[Queued]:
+        """Every job (matching `where`), the next to run first (or with next_first False the
+        newest first), one page in memory at a time. Counted from the end workers pop, a
+        page read after workers took some starts further on than the last one ended, so on
+        a queue being worked some jobs are not seen: they were about to run anyway."""
+        offset = 0
+        while True:
+            batch_ = self.page(offset, self.page_size, next_first)
+            for entry in batch_:
+                if where is None or where(entry):
+                    yield entry
+            if len(batch_) < self.page_size:
+                return
+            offset += len(batch_)
+
+    def find(self, jid: str) -> Queued | None:
+        """The job with this jid, looked for in Redis from the newest end (cancel.scan_list:
+        only the match comes back)."""
+        from .cancel import scan_list
+        hit = scan_list(self.redis, self.key, jid)
+        if hit is None:
+            return None
+        index, size, raw = hit
+        return Queued.of(raw, float(index), size - 1 - index)
+
+    # -- changes --------------------------------------------------------------------
+
+    def apply(self, action: Callable[[list[Queued]], int], where: Filter | None = None) -> int:
+        """Run `action` on the matching jobs, up to a page of them at a time; returns how
+        many it changed (removed, for delete).
+
+        The walk starts at the newest end, where producers push: a push moves the jobs not
+        yet read one further on, so they are read later, never skipped (a kept one may be
+        read twice), while workers popping the other end move no index counted from here.
+        (From that end, each job a worker took would make the walk skip one.) Matches
+        are gathered over pages until there are a page of them or they were read
+        APPLY_GATHER_S ago: a delete then walks into the list once for them all, not once
+        a page. Jobs the action removed take no index, so the walk goes on from those
+        left. A queue pushed to faster than it is walked is not chased forever: the walk
+        stops after reading twice as many jobs as the queue held."""
+        offset = done = looked = 0
+        budget = 2 * self.size() + self.page_size
+        chosen: list[Queued] = []
+        since = 0.0
+
+        def flush() -> None:
+            nonlocal offset, done, chosen
+            changed = action(chosen)
+            done += changed
+            offset -= changed
+            chosen = []
+
+        while looked < budget:
+            batch_ = self.page(offset, self.page_size)
+            looked += len(batch_)
+            offset += len(batch_)
+            for entry in batch_:
+                if where is None or where(entry):
+                    if not chosen:
+                        since = time.monotonic()
+                    chosen.append(entry)
+            if len(batch_) < self.page_size:
+                break
+            if len(chosen) >= self.page_size or (chosen and time.monotonic() - since > APPLY_GATHER_S):
+                flush()
+        if chosen:
+            flush()
+        return done
+
+    def delete(self, entries: "list[Entry] | bytes") -> int:
+        """Remove jobs read from this queue (its pages, entries(), find()), ending each as a
+        job leaving for good ends (see _forget): a unique job's lock released, a batch job
+        counted as failed. Returns how many were removed: a job a worker took meanwhile is
+        not. Each is looked for at the index it was read at (`score`), then around it
+        (forget.lua's 'near'), and a call's worth is removed with one walk into the list:
+        LREM of each job would walk the list to it, a thousand walks of a million-job queue
+        for a page. Given bytes, removes the first entry with exactly those (LREM 1 from
+        the newest end): equal bytes are the same job pushed twice."""
+        if isinstance(entries, (bytes, str)):
+            return _forget(self.redis, self.key, "list", [Entry.of(entries, 0.0)])
+        ordered = sorted(entries, key=lambda e: e.score)
+        forget = scripts.load(self.redis, "forget")
+        removed = 0
+        # the highest indices first: what one call removes moves none of the next's jobs.
+        # A round trip each, not one pipeline: Redis serves others between the calls.
+        for end in range(len(ordered), 0, -CLEAR_PAGE):
+            call = ordered[max(0, end - CLEAR_PAGE):end]
+            removed += int(forget(keys=[self.key], args=_near_args(call)))
+        return removed
+
+    def clear(self) -> int:
+        """Remove every job, ending each as delete() does; returns how many it removed.
+
+        A page of jobs at a time (CLEAR_PAGE), each page one round trip: a script pops
+        them from the end workers pop, drops those with nothing to end, and puts the others
+        back where they were (scripts/clear_list_page.lua); forget.lua removes and ends
+        those in the same pipeline as the next page's pop. So a job is in the queue until
+        it is dropped or ended: one a worker takes meanwhile is run and ended by that
+        worker, never twice, and a client that dies between leaves jobs queued, never
+        removed unended. Jobs pushed meanwhile at the other end are reached or left; a
+        queue refilled as fast as it is emptied is not chased forever: the clear stops
+        once it has taken twice as many jobs as the queue held."""
+        take = scripts.load(self.redis, "clear_list_page")
+        forget = scripts.load(self.redis, "forget")
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.llen(self.key)
+        take(keys=[self.key], args=[CLEAR_PAGE], client=pipe)
+        size, reply = pipe.execute()
+        budget = 2 * int(size) + CLEAR_PAGE
+        removed = 0
+        while True:
+            looked, plain, length, *rest = reply
+            removed += int(plain)
+            budget -= int(looked)
+            if not rest:
+                if int(looked) == 0 or budget <= 0:
+                    return removed
+                reply = take(keys=[self.key], args=[CLEAR_PAGE])
+                continue
+            first = int(length) - len(rest)
+            entries = [Entry.of(raw, float(first + i)) for i, raw in enumerate(rest)]
+            pipe = self.redis.pipeline(transaction=False)
+            forget(keys=[self.key], args=_near_args(entries), client=pipe)
+            if budget > 0:
+                take(keys=[self.key], args=[CLEAR_PAGE], client=pipe)
+            replies = pipe.execute()
+            removed += int(replies[0])
+            if budget <= 0:
+                return removed
+            reply = replies[1]
 
 
 # -- processes and running jobs ---------------------------------------------------------
@@ -293,6 +440,22 @@ class Entry:
                 "error_class": job.get("error_class"), "error_message": job.get("error_message"),
                 "retry_count": job.get("retry_count"),
                 "job": self.job if self.job is not None else _text(self.raw)}
+
+
+@dataclass
+class Queued(Entry):
+    """A job waiting on a queue: `score` is its index from the left (the newest end) and
+    `position` how many jobs were to run before it (0 runs next), both when it was read."""
+    position: int = 0
+
+    @classmethod
+    def of(cls, raw: bytes, score: float, position: int = 0) -> Self:  # type: ignore[override]
+        entry = super().of(raw, score)
+        entry.position = position
+        return entry
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "position": self.position}
 
 
 Filter = Callable[[Entry], bool]
@@ -511,17 +674,34 @@ def _forget(conn: redis.Redis, key: str, kind: str, entries: list[Entry]) -> int
 
 def _forget_args(kind: str, entries: list[Entry]) -> list[Any] | None:
     """forget.lua's arguments for `entries`, or None when none has a lock or a batch."""
-    locks = [_lock(e) for e in entries]
-    batches = [_batch_of(e) for e in entries]
-    if not any(locks) and not any(batches):
-        return None
-    failure = json.dumps({"error_class": "forkq.Deleted", "error_message": "deleted by an operator",
-                          "fate": "deleted", "at": time.time()})
-    argv: list[Any] = [kind, failure]
-    for entry, lock, in_batch in zip(entries, locks, batches):
+    quads, ends = _quadruplets(entries)
+    return [kind, _deleted(), *quads] if ends else None
+
+
+def _near_args(entries: list[Entry]) -> list[Any]:
+    """forget.lua's 'near' arguments for entries of a list, lowest index (`score`) first;
+    those with nothing to end too (an LREM each would walk the list once each)."""
+    quads, _ = _quadruplets(entries)
+    return ["near", _deleted(), f"forkq:deleted:{uuid.uuid4().hex}", NEAR_SEARCH, len(entries),
+            *(int(e.score) for e in entries), *quads]
+
+
+def _deleted() -> str:
+    return json.dumps({"error_class": "forkq.Deleted", "error_message": "deleted by an operator",
+                       "fate": "deleted", "at": time.time()})
+
+
+def _quadruplets(entries: list[Entry]) -> tuple[list[Any], bool]:
+    """(member, lock key or '', jid, batch key or '') of each entry, flat, and whether any
+    has a lock or a batch."""
+    out: list[Any] = []
+    ends = False
+    for entry in entries:
+        lock, in_batch = _lock(entry), _batch_of(entry)
+        ends = ends or bool(lock) or in_batch is not None
         jid = lock[1] if lock else in_batch[1] if in_batch else ""
-        argv += [entry.raw, lock[0] if lock else "", jid, in_batch[0] if in_batch else ""]
-    return argv
+        out += [entry.raw, lock[0] if lock else "", jid, in_batch[0] if in_batch else ""]
+    return out, ends
 
 
 def schedule(conn: redis.Redis, page_size: int = DEFAULT_PAGE) -> SortedSet:
@@ -556,7 +736,7 @@ class Suspects(_List):
     def __init__(self, conn: redis.Redis, name: str) -> None:
         super().__init__(conn, name, keys.suspects(name))
 
-    def _entry(self, raw: bytes, index: float) -> "Suspect":
+    def _entry(self, raw: bytes, index: float, size: int) -> "Suspect":
         return Suspect.of(raw, index)
 
     def page(self, offset: int, count: int, next_first: bool = True) -> list[Suspect]:

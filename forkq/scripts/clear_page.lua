@@ -1,17 +1,15 @@
 -- One step of emptying a sorted set (api.SortedSet.clear): look at its lowest-ranked
 -- entries, remove here those that cannot hold a unique lock nor belong to a batch, and
--- return the others, which the caller ends with forget.lua (Lua cannot name a lock: it is
--- a SHA-256). An entry is kept for the caller when its text holds "unique_for", "bid" as
--- a key, or a \u escape (a key could be spelled with one); anything else, unparseable
--- members included, has nothing to end. Removed and read in one call: an entry added
--- meanwhile is either looked at here or left for the next step, never dropped unseen.
+-- return the others, which the caller ends with forget.lua (see _plain.lua for which).
+-- Removed and read in one call: an entry added meanwhile is either looked at here or left
+-- for the next step, never dropped unseen.
 -- KEYS[1] the set, ARGV[1] how many entries to look at
 -- Returns {entries looked at, entries removed, then the members left to end}
+--#include plain
 local members = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
 local plain, others = {}, {1, 1}
 for _, m in ipairs(members) do
-  if string.find(m, 'unique_for', 1, true) or string.find(m, '"bid"', 1, true)
-      or string.find(m, '\\u', 1, true) then
+  if needs_ending(m) then
     others[#others + 1] = m
   else
     plain[#plain + 1] = m

@@ -4,22 +4,110 @@
 -- `complete` can fire (its success never will). Only for an entry this call took out: one
 -- another process moved meanwhile (the scheduler, a worker's claim) is still a pending job.
 -- KEYS[1] the sorted set or the queue list
--- ARGV[1] 'zset' or 'list', ARGV[2] the failure a batch records (JSON), then
--- (member, lock key or '', jid, batch key or '') quadruplets
+-- ARGV[1] 'zset', 'list' or 'near', ARGV[2] the failure a batch records (JSON), for 'near'
+-- the arguments below, then (member, lock key or '', jid, batch key or '') quadruplets
 -- Returns how many entries were removed.
 -- Each batch is checked once, after all its entries: a clear's page of 1,000 entries of
 -- one batch checked it 1,000 times (about half the call's time).
+--
+-- 'list' removes each entry with LREM 1, which walks the list from its head to it: fine
+-- for one, quadratic for many on a long queue (a thousand walks of a million entries).
+-- 'near' (api.Queue) is given the index each entry was read at, and looks for it there,
+-- then, if pushes or removals moved it, around there (up to ARGV[4] entries read per
+-- call); what it finds it overwrites with the tombstone ARGV[3] (LSET seeks by node,
+-- from the nearer end on Redis 7), and one LREM from the nearer end, which stops at the
+-- last tombstone, removes them all: one walk into the list a call, not one per entry. A
+-- tombstone never outlives the call, so no worker can pop one.
+-- ARGV[5] how many entries, ARGV[6..] their indices, lowest first, then the quadruplets
+-- in the same order.
 --#include batch
 --#include unlock
+local kind = ARGV[1]
+local first = kind == 'near' and 6 + tonumber(ARGV[5]) or 3
+
+local RUN_GAP = 64  -- entries read closer than this are read again in one LRANGE
+local BEHIND, AHEAD = 100, 2000  -- the first search around entries not where they were
+
+local function near_remove()
+  local key, tomb, budget = KEYS[1], ARGV[3], tonumber(ARGV[4])
+  local len = redis.call('LLEN', key)
+  local gone, found, low, high = {}, 0, len, -1
+  local shift = 0  -- how far the last entry found had moved: the next likely moved as far
+  local function expected(q)
+    return tonumber(ARGV[6 + (q - first) / 4])
+  end
+  -- the entries of quadruplets qs found among rows read from index `at`; returns the others
+  local function match(rows, at, qs)
+    local wanted = {}
+    for _, q in ipairs(qs) do
+      local same = wanted[ARGV[q]]
+      if same then
+        same[#same + 1] = q
+      else
+        wanted[ARGV[q]] = {q}
+      end
+    end
+    for j = 1, #rows do
+      local same = wanted[rows[j]]
+      if same and #same > 0 then
+        local q = table.remove(same, 1)
+        local index = at + j - 1
+        -- negative past the middle: a Redis before 7 seeks a positive index from the head
+        redis.call('LSET', key, index < len / 2 and index or index - len, tomb)
+        gone[q] = true
+        found = found + 1
+        low = math.min(low, index)
+        high = math.max(high, index)
+        shift = index - expected(q)
+      end
+    end
+    local left = {}
+    for _, same in pairs(wanted) do
+      for _, q in ipairs(same) do
+        left[#left + 1] = q
+      end
+    end
+    return left
+  end
+  local q = first
+  while q < #ARGV do
+    local run = {q}
+    while q + 4 < #ARGV and expected(q + 4) - expected(q) < RUN_GAP do
+      q = q + 4
+      run[#run + 1] = q
+    end
+    q = q + 4
+    local lo = math.max(expected(run[1]) + shift, 0)
+    local hi = expected(run[#run]) + shift
+    -- (hi below 0 would be counted from the right end by LRANGE)
+    local left = hi < lo and run or match(redis.call('LRANGE', key, lo, hi), lo, run)
+    -- moved: a push moves an entry one from the head, a removal nearer the head one back
+    local from, to = math.max(lo - BEHIND, 0), hi + AHEAD
+    while #left > 0 and budget > 0 and from < len do
+      to = math.min(to, from + budget - 1)
+      local rows = redis.call('LRANGE', key, from, to)
+      budget = budget - #rows
+      left = match(rows, from, left)
+      from, to = to + 1, to + 2 * (to - from + 1)
+    end
+  end
+  if found > 0 then
+    redis.call('LREM', key, high + 1 <= len - low and found or -found, tomb)
+  end
+  return gone
+end
+
+local gone = kind == 'near' and near_remove() or nil
 local removed = 0
-local zset = ARGV[1] == 'zset'
 local failed, order = {}, {}
-for i = 3, #ARGV, 4 do
+for i = first, #ARGV, 4 do
   local n
-  if zset then
+  if kind == 'zset' then
     n = redis.call('ZREM', KEYS[1], ARGV[i])
-  else
+  elseif kind == 'list' then
     n = redis.call('LREM', KEYS[1], 1, ARGV[i])
+  else
+    n = gone[i] and 1 or 0
   end
   if n > 0 then
     removed = removed + n

@@ -1,0 +1,29 @@
+-- One step of emptying a queue (api.Queue.clear): take its next-to-run entries with the
+-- RPOP workers use, drop those with nothing to end (_plain.lua), and put the others back
+-- where they were, at the right end in their order, returning them for the caller to end
+-- with forget.lua's 'window' (their lock keys are SHA-256s Lua cannot make). Between the
+-- two calls they are in the queue as before: a client that dies there leaves jobs a worker
+-- runs, never ones removed unended, and a worker that takes one meanwhile ends it itself
+-- (forget.lua finds it gone and ends nothing). Producers push at the other end.
+-- KEYS[1] the queue, ARGV[1] how many entries to take
+-- Returns {entries taken, entries dropped, the queue's length after, then the entries put
+-- back, leftmost first: the last of them is at index length - 1}
+--#include plain
+local taken = redis.call('RPOP', KEYS[1], tonumber(ARGV[1]))
+if not taken then
+  return {0, 0, 0}
+end
+-- RPOP gives the rightmost first: walked backwards, RPUSH puts them back in place
+local out = {#taken, 0, 0}
+for i = #taken, 1, -1 do
+  if needs_ending(taken[i]) then
+    out[#out + 1] = taken[i]
+  end
+end
+local len = redis.call('LLEN', KEYS[1])
+for i = 4, #out, 500 do
+  len = redis.call('RPUSH', KEYS[1], unpack(out, i, math.min(i + 499, #out)))
+end
+out[2] = #taken - (#out - 3)
+out[3] = len
+return out
