@@ -1,5 +1,5 @@
-"""The admin commands: `forkq stats`, `queues`, `processes`, `busy`, `suspects`, `cron`,
-`batch`, `batches` and the dead, retry and schedule sets. Read-only views and bulk actions on
+"""The admin commands: `forkq stats`, `queues`, `queue NAME`, `processes`, `busy`, `suspects`,
+`cron`, `batch`, `batches` and the dead, retry and schedule sets. Read-only views and bulk actions on
 what is in Redis, as tables for people and --json for scripts; the data comes from forkq.api."""
 
 from __future__ import annotations
@@ -113,6 +113,21 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-r", "--require", action="append", metavar="MODULE_OR_PATH", type=nonempty,
                    help="the app, to push a job it declares with its own options and check its "
                         "arguments against the function [env FORKQ_REQUIRE]")
+    p = sub.add_parser("queue", help="list a queue's waiting jobs, or delete some or all of them")
+    p.add_argument("queue_name", metavar="NAME", type=nonempty, help="the queue")
+    verbs = p.add_subparsers(dest="action", required=True, parser_class=ArgumentParser)
+    listing = verbs.add_parser("list", parents=[common], help="its waiting jobs, next to run first")
+    listing.add_argument("--jid", help="only this job")
+    listing.add_argument("--class", dest="klass", metavar="NAME", help="only jobs of this class")
+    listing.add_argument("--limit", type=whole_number("--limit", 1, LIMIT_MAX), default=100,
+                         help="show at most this many (default 100)")
+    a = verbs.add_parser("delete", parents=[common],
+                         help="delete the chosen jobs, each ended (unique lock released, batch "
+                              "failure counted); workers may take some meanwhile")
+    pick = a.add_mutually_exclusive_group(required=True)
+    pick.add_argument("--jid", help="the job with this jid")
+    pick.add_argument("--class", dest="klass", metavar="NAME", help="every job of this class")
+    pick.add_argument("--all", action="store_true", help="every job")
     for name, actions in SET_ACTIONS.items():
         p = sub.add_parser(name, help=f"list or act on the {name} set")
         verbs = p.add_subparsers(dest="action", required=True, parser_class=ArgumentParser)
@@ -137,7 +152,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
 
 
 COMMANDS = ("stats", "queues", "processes", "busy", "suspects", "cron", "batch", "batches", "pause",
-            "resume", "push", "job", "cancel", *SET_ACTIONS)
+            "resume", "push", "job", "cancel", "queue", *SET_ACTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         conn = api.connect(url)
         if args.command in SET_ACTIONS:
             return _set_command(conn, args)
+        if args.command == "queue":
+            return _queue_command(conn, args)
         if args.command == "batch":
             return _batch(conn, args)
         if args.command in ("pause", "resume"):
@@ -638,6 +655,50 @@ def _set_command(conn, args: argparse.Namespace) -> int:
             line += (f", which keeps only its newest {keys.DEAD_MAX_JOBS - 1:,} entries (none older than "
                      f"{keys.DEAD_TIMEOUT_S // 86400} days): its {dropped:,} oldest were dropped")
     _emit(args, data, [line])
+    return 0
+
+
+def _queue_command(conn, args: argparse.Namespace) -> int:
+    """`forkq queue NAME list|delete`: a queue's waiting jobs, as the set commands show theirs."""
+    from . import api
+    from .pause import check_queue
+    try:
+        check_queue(args.queue_name)
+    except ValueError as exc:
+        sys.stderr.write(f"forkq: {_printable(str(exc))}\n")
+        return 2
+    queue = api.Queue(conn, args.queue_name)
+    name = _printable(args.queue_name)
+    if args.jid is not None:
+        found = queue.find(args.jid)
+        entries = [found] if found is not None else []
+    if args.action == "list":
+        if args.jid is None:
+            import itertools
+            entries = list(itertools.islice(queue.entries(api.matching(klass=args.klass)), args.limit))
+        else:
+            entries = [e for e in entries if api.matching(klass=args.klass)(e)]
+        stamps = [api.stamp((e.job or {}).get("enqueued_at")) for e in entries]
+        rows = [[e.position, None if at is None else _when(at), e.jid,
+                 e.klass if e.job is not None else "(unparseable entry)", _args_text(e.job)]
+                for e, at in zip(entries, stamps)]
+        table = _table(["position", "enqueued (UTC)", "jid", "class", "args"], rows) if rows else [
+            f"no matching jobs wait on queue {name}"]
+        _emit(args, [e.to_dict() for e in entries], table)
+        return 0
+    if args.jid is not None:
+        if not entries:
+            sys.stderr.write(f"forkq: no job with jid {_printable(args.jid)} waits on queue {name}\n")
+            return 1
+        count = queue.delete(entries)
+    elif args.all:
+        count = queue.clear()
+    else:
+        count = queue.apply(queue.delete, api.matching(klass=args.klass))
+    line = f"delete: {count} job{'' if count == 1 else 's'} of queue {name}"
+    if args.all:  # nothing stops workers: the jobs they took run as usual
+        line += " (workers may have taken some meanwhile)"
+    _emit(args, {"queue": args.queue_name, "action": "delete", "count": count}, [line])
     return 0
 
 

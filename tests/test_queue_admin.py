@@ -1,5 +1,5 @@
-"""Managing a queue's waiting jobs: api.Queue's entries/apply/delete/clear. In-process
-against the redis fixture.
+"""Managing a queue's waiting jobs: api.Queue's entries/apply/delete/clear and `forkq queue
+NAME list|delete`. In-process against the redis fixture (the CLI through cli.main).
 
 Jobs are laid out with LPUSH in order, so the first laid out is the next to run (workers
 RPOP the right end), as pushes leave them.
@@ -14,7 +14,7 @@ import threading
 import pytest
 
 import forkq
-from forkq import api, keys
+from forkq import api, cli, keys
 
 
 @forkq.job(queue="reports", name="queue_admin_test.report")
@@ -49,6 +49,31 @@ def waiting(r, name: str = "mail") -> list:
 
 def stat_calls(r, command: str) -> int:
     return r.info("commandstats").get(f"cmdstat_{command}", {"calls": 0})["calls"]
+
+
+@pytest.mark.timeout(30)
+def test_entries_list_next_to_run_first_and_filter(r, redis_url, capsys):
+    lay_out(r, [job(i, "A" if i % 2 else "B") for i in range(12)] + [b"not json"])
+    queue = api.Queue(r, "mail", page_size=5)
+    seen = list(queue.entries())
+    assert [e.job["args"][0] for e in seen[:12]] == list(range(12)) and seen[12].job is None
+    assert [e.position for e in seen] == list(range(13))
+    newest = list(queue.entries(next_first=False))
+    assert newest[0].job is None and [e.job["args"][0] for e in newest[1:]] == list(range(11, -1, -1))
+    assert [e.jid for e in queue.entries(api.matching(klass="A"))] == ["%024x" % (i + 1) for i in range(1, 12, 2)]
+    assert queue.find("%024x" % 8).position == 7 and queue.find("f" * 24) is None
+
+    assert cli.main(["queue", "mail", "list", "--class", "A", "--limit", "2", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(e["position"], e["class"], e["job"]["args"]) for e in listed] == [(1, "A", [1]), (3, "A", [3])]
+    assert cli.main(["queue", "mail", "list", "--jid", "%024x" % 5]) == 0
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split() == ["position", "enqueued", "(UTC)", "jid", "class", "args"]
+    assert row.split()[0] == "4" and "%024x" % 5 in row
+    assert cli.main(["queue", "mail", "list", "--limit", "20"]) == 0
+    assert "(unparseable entry)" in capsys.readouterr().out.splitlines()[-1]
+    assert cli.main(["queue", "nothing-here", "list"]) == 0
+    assert capsys.readouterr().out == "no matching jobs wait on queue nothing-here\n"
 
 
 @pytest.mark.timeout(30)
@@ -161,4 +186,32 @@ def test_a_clear_racing_a_worker_and_a_producer_loses_nothing_and_ends_nothing_t
     held = {r.get(k).decode() for k in locks(r)}
     assert held == (set(uniques) | set(pushed)) - deleted  # a lock goes with its job, only then
     assert set(group.status().failures) == set(in_batch) & deleted
+
+
+@pytest.mark.timeout(30)
+def test_queue_delete_commands_print_counts_and_exit_codes(r, redis_url, capsys):
+    client = forkq.Client(redis_url)
+    jids = client.push_bulk("app.Once", [[i] for i in range(4)], queue="mail", unique_for=3600)
+    lay_out(r, [job(100 + i, "Bad") for i in range(3)])
+    assert cli.main(["queue", "mail", "delete", "--class", "Bad"]) == 0
+    assert capsys.readouterr().out == "delete: 3 jobs of queue mail\n"
+    assert cli.main(["queue", "mail", "delete", "--jid", jids[1], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"queue": "mail", "action": "delete", "count": 1}
+    assert len(locks(r)) == 3 and r.llen(keys.queue("mail")) == 3
+    assert cli.main(["queue", "mail", "delete", "--jid", jids[1]]) == 1
+    assert capsys.readouterr().err == f"forkq: no job with jid {jids[1]} waits on queue mail\n"
+    for argv in (["queue", "mail", "delete"], ["queue", "mail", "delete", "--all", "--class", "A"],
+                 ["queue", "", "list"], ["queue", "mail", "frobnicate"], ["queue", "mail", "list", "--limit", "0"]):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("forkq: "), argv
+    assert cli.main(["queue", "bad\nname", "list"]) == 2
+    assert cli.main(["queue", "mail", "delete", "--all"]) == 0
+    assert capsys.readouterr().out == "delete: 3 jobs of queue mail (workers may have taken some meanwhile)\n"
+    assert r.llen(keys.queue("mail")) == 0 and locks(r) == []
+    assert cli.main(["queue", "mail", "delete", "--all", "--redis-url", "redis://u:hunter2@127.0.0.1:1/0"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hunter2" not in err
 
