@@ -1,5 +1,6 @@
-"""Managing a queue's waiting jobs: api.Queue's entries/apply/delete/clear and `forkq queue
-NAME list|delete`. In-process against the redis fixture (the CLI through cli.main).
+"""Managing a queue's waiting jobs: api.Queue's entries/apply/delete/clear, `forkq queue NAME
+list|delete`, and the queue page's "Delete all". In-process against the redis fixture (the
+CLI through cli.main), one `forkq web` subprocess for the button.
 
 Jobs are laid out with LPUSH in order, so the first laid out is the next to run (workers
 RPOP the right end), as pushes leave them.
@@ -15,6 +16,7 @@ import pytest
 
 import forkq
 from forkq import api, cli, keys
+from webkit import Client, WebServer
 
 
 @forkq.job(queue="reports", name="queue_admin_test.report")
@@ -215,3 +217,20 @@ def test_queue_delete_commands_print_counts_and_exit_codes(r, redis_url, capsys)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "hunter2" not in err
 
+
+@pytest.mark.timeout(60)
+def test_the_queue_pages_delete_all_button_clears_it_behind_a_confirm_and_csrf(r, redis_url, redis_server):
+    client = forkq.Client(redis_url)
+    client.push_bulk("app.Once", [[i] for i in range(3)], queue="mail", unique_for=3600)
+    client.push_bulk("app.Plain", [[i] for i in range(4)], queue="mail")
+    with WebServer(redis_server.url) as web:
+        browser = Client(web.base)
+        page = browser.get("/queues/mail")
+        button = page.text[page.text.index('value="delete-all"') - 200:page.text.index("Delete all</button>")]
+        assert 'data-confirm="Delete: all 7 jobs of this queue?"' in button and 'class="danger"' in button
+        assert browser.post("/queues/mail", {"do": "delete-all"}, csrf="").status == 403
+        assert r.llen(keys.queue("mail")) == 7
+        resp = browser.post("/queues/mail", {"do": "delete-all", "back": "/queues/mail?page=1"}, csrf=page.csrf)
+        assert resp.status == 303 and resp.headers["Location"].endswith("/queues/mail?page=1")
+        assert r.llen(keys.queue("mail")) == 0 and locks(r) == []
+        assert "delete: 7 jobs (workers may have taken some meanwhile)" in browser.get("/queues/mail").text

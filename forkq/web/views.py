@@ -191,17 +191,27 @@ def queue_page(dash: "Dashboard", req: Request, name: str) -> Response:
 def queue_action(dash: "Dashboard", req: Request, name: str) -> Response:
     """The Delete button of one queued job: do=delete|KEY. It removes exactly the bytes it
     finds under KEY; a job that has run meanwhile (or was pushed past QUEUE_SEARCH_MAX
-    newer jobs) is not found. do=pause (with an optional reason) and do=resume pause and
-    resume the whole queue for every process (forkq.pause)."""
+    newer jobs) is not found. do=delete-all empties the queue (api.Queue.clear). do=pause
+    (with an optional reason) and do=resume pause and resume the whole queue for every
+    process (forkq.pause)."""
     action, _, key = req.field("do").partition("|")
     if action in ("pause", "resume"):
         return _pause_action(dash, req, name, action)
+    if action == "delete-all":
+        return _clear_action(dash, req, name)
     if action != "delete":
         raise BadRequest(f"unknown action {action!r} for a queue")
     queue = api.Queue(dash.redis(), name)
     entry = _lookup_queued(queue, key)
     done = queue.delete(entry.raw) if entry is not None else 0
     dash.flash(req, f"delete: {done} job{'s' if done != 1 else ''}")
+    return Response.redirect(dash.back(req, "/queues/" + quote(name)))
+
+
+def _clear_action(dash: "Dashboard", req: Request, name: str) -> Response:
+    """The queue's "Delete all": every waiting job, each ended (api.Queue.clear)."""
+    done = api.Queue(dash.redis(), name).clear()
+    dash.flash(req, f"delete: {done} job{'s' if done != 1 else ''} (workers may have taken some meanwhile)")
     return Response.redirect(dash.back(req, "/queues/" + quote(name)))
 
 
