@@ -408,14 +408,9 @@ def _job(conn, args) -> int:
 
 def _cancel(conn, args) -> int:
     """`forkq cancel JID...`: a line per jid; 0 only if every one was removed or stopped.
-    --wait is shared: the jobs are cancelled one after another within it."""
+    --wait is shared (cancel.cancel_many)."""
     from . import cancel
-    deadline = time.monotonic() + args.wait
-    by = _by()
-    outcomes = []
-    for jid in args.jids:
-        outcomes.append(cancel.cancel(conn, jid, args.reason, by,
-                                      wait=max(0.0, deadline - time.monotonic())))
+    outcomes = cancel.cancel_many(conn, args.jids, args.reason, _by(), wait=args.wait)
     _emit(args, [o.to_dict() for o in outcomes],
           [f"{_printable(o.jid)}: {o.state.replace('_', ' ')}: {_printable(o.detail)}" for o in outcomes])
     return 0 if all(o.state in ("removed", "cancelled") for o in outcomes) else 1

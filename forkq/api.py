@@ -27,7 +27,7 @@ import redis
 
 from . import batch, client, control, keys, payload, scripts, unique
 from .pause import Pause, pause, paused, resume, wait_honoured  # noqa: F401  (the API)
-from .cancel import Location, Outcome, cancel, locate  # noqa: F401  (the API)
+from .cancel import Location, Outcome, cancel, cancel_many, locate  # noqa: F401  (the API)
 from .errors import MalformedPayload
 from .fetch import crash_id
 from .retry import MALFORMED_CLASS

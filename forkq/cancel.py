@@ -363,17 +363,25 @@ def cancel(conn: redis.Redis, jid: str, reason: str | None = None, by: str | Non
     if neither happened in time (the request stays: the worker acts on it when it sees
     it). A job on a process that does not read requests (Ruby Sidekiq) is "not_forkq",
     one found nowhere or already dead "not_found"; the request is deleted in those cases."""
-    check_jid(jid)
+    return cancel_many(conn, [jid], reason, by, wait, poll)[0]
+
+
+def cancel_many(conn: redis.Redis, jids: list[str], reason: str | None = None, by: str | None = None,
+                wait: float = 30.0, poll: float = 0.25) -> list[Outcome]:
+    """cancel() for several jobs, within one `wait` in all. Every request is written before
+    the first job is looked for, so workers stop all the running ones at their next
+    heartbeat, not one heartbeat after another as each gets its turn."""
+    for jid in jids:
+        check_jid(jid)
     if reason is not None and not isinstance(reason, str):
         raise TypeError(f"reason must be a str or None, not {type(reason).__name__}")
     if by is not None and not isinstance(by, str):
         raise TypeError(f"by must be a str or None, not {type(by).__name__}")
     if not wait >= 0:
         raise ValueError(f"wait must be 0 or more seconds, not {wait!r}")
-    _, standing = request(conn, jid, reason, by)
-    text = cancel_message(standing)
+    texts = [cancel_message(request(conn, jid, reason, by)[1]) for jid in jids]
     deadline = time.monotonic() + wait
-    return _Canceller(conn, jid, text, deadline, poll).run()
+    return [_Canceller(conn, jid, text, deadline, poll).run() for jid, text in zip(jids, texts)]
 
 
 class _Canceller:
@@ -422,6 +430,13 @@ class _Canceller:
                 return self._done("finished", where, f"it ended before the cancel reached it; now "
                                                      f"{where.describe()}")
             if where.state == "dead":
+                if (where.job or {}).get("error_class") == CANCELLED_CLASS and \
+                        not self.redis.hexists(keys.CANCEL, self.jid):
+                    # a worker stopped it, taking this request, before it was looked for
+                    # (between its write and the search, or while others of the same
+                    # cancel_many were waited for)
+                    return Outcome("cancelled", self.jid, where, f"stopped by its worker; now "
+                                                                 f"{where.describe()}")
                 return self._done("not_found", where, f"nothing to cancel: {where.describe()}")
             if where.state == "finished":
                 return self._done("finished", where, f"nothing to cancel: {where.describe()}")
