@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .chains import Chain, chain
     from .client import Client, configure, default_client
     from .cron import CronError, periodic
+    from .jobprogress import progress
     from .jobs import Job, job
     from .logs import JobFields, current_job
     from .payload import Call, call
@@ -31,7 +32,7 @@ __all__ = [
     "Client", "ConfigError", "CronError", "ForkqError", "Job", "JobCancelled", "JobFailed", "JobFields", "MalformedPayload",
     "OverLimit", "PartialEnqueue", "RedisUnavailable", "ResultNotReady", "TimeLimitExceeded", "UnknownJob",
     "UnstorableResult", "configure", "current_job", "default_client", "job", "on_death", "on_fork", "periodic", "result",
-    "server_middleware", "slot_index",
+    "server_middleware", "slot_index", "progress",
     "Batch", "BatchStatus", "batch_status", "current_batch", "Call", "call", "Chain", "chain",
 ]
 __version__ = "0.1.0"
@@ -40,7 +41,7 @@ __version__ = "0.1.0"
 # every `forkq` command paid before it could refuse a flag or print its --help.
 _LAZY = {"Client": "client", "configure": "client", "default_client": "client",
          "Job": "jobs", "job": "jobs", "JobFields": "logs", "current_job": "logs",
-         "CronError": "cron", "periodic": "cron", "result": "results",
+         "CronError": "cron", "periodic": "cron", "result": "results", "progress": "jobprogress",
          "Call": "payload", "call": "payload",
          "Batch": "batch", "BatchStatus": "batch", "batch_status": "batch",
          "current_batch": "batch", "Chain": "chains", "chain": "chains"}

@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import redis
 
-from . import keys, logs, scripts
+from . import jobprogress, keys, logs, scripts
 from .fetch import UNREADABLE_PAUSES, raise_first, read_paused, refusal, writes_refused
 from .manager import REDIS_ERRORS, Manager
 from .retry import cancel_request
@@ -36,6 +36,17 @@ REMOTE_SIGNALS = {"TSTP": signal.SIGTSTP, "TERM": signal.SIGTERM, "TTIN": signal
 
 def new_identity() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(6).hex()}"
+
+
+def _work_entry(cur: tuple[str, bytes, float, Any, str], progress: Any) -> bytes:
+    """A running job's value in the work hash: Sidekiq's queue, payload and run_at, and its
+    latest forkq.progress() (a key Sidekiq ignores) if it made one. The jid check: a
+    progress the thread's last job recorded is not this one's (jobprogress.progress)."""
+    q, raw, at, jid, _ = cur
+    entry = {"queue": q, "payload": raw.decode("utf-8", "replace"), "run_at": int(at)}
+    if progress is not None and progress[0] == jid:
+        entry[jobprogress.FIELD] = jobprogress.entry(progress)
+    return json.dumps(entry).encode()
 
 
 class Launcher:
@@ -164,10 +175,9 @@ class Launcher:
         workers, work = keys.workers(self.identity), keys.work(self.identity)
         pipe.unlink(workers, work)
         if running:
-            pipe.hset(workers, mapping={
-                str(idx): json.dumps({"queue": q, "payload": raw.decode("utf-8", "replace"),
-                                      "run_at": int(at)}).encode()
-                for idx, (q, raw, at, _, _) in running})
+            processors = self.manager.processors
+            pipe.hset(workers, mapping={str(idx): _work_entry(cur, processors[idx].progress)
+                                        for idx, cur in running})
             pipe.expire(workers, keys.HEARTBEAT_TTL_S)
             pipe.copy(workers, work)
         owner = self.manager.fetch.owner_json

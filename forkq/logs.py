@@ -32,7 +32,7 @@ def _add_process(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, A
 
 
 _job = threading.local()
-# An async job's [(jid, class, queue, payload)], set in the context its coroutine runs in
+# An async job's [(jid, class, queue, payload, processor)], set in the context its coroutine runs in
 # (forkq.aio): many coroutines share the loop's thread, so its thread-local cannot say
 # which job a line comes from. Read only where the thread-local has no job: a sync job's
 # lines and current_job() pay nothing for it. A list, emptied ([None]) once the job ended:
@@ -42,12 +42,14 @@ TASK_JOB: contextvars.ContextVar[list | None] = contextvars.ContextVar("forkq_jo
 _NO_TASK = (None,)
 
 
-def set_job(jid: Any, name: str, queue: str, job: dict[str, Any] | None = None) -> None:
+def set_job(jid: Any, name: str, queue: str, job: dict[str, Any] | None = None,
+            owner: Any = None) -> None:
     """Mark this thread as running a job: every line it logs carries jid, class and queue,
-    and forkq.current_job() returns its payload. What a job (or its middleware) bound with
+    forkq.current_job() returns its payload, and forkq.progress() records on `owner` (the
+    Processor; None: nowhere, as under forkq.testing). What a job (or its middleware) bound with
     structlog.contextvars is this job's only: left bound, the thread's next job logged the
     last one's tenant, say."""
-    _job.current = (jid, name, queue, job)
+    _job.current = (jid, name, queue, job, owner)
     if _BOUND is None or _BOUND:
         structlog.contextvars.clear_contextvars()
 

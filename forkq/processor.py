@@ -127,6 +127,9 @@ class Processor:
         # (queue, raw payload, started epoch s, jid, in-flight token) while a job runs: read
         # by the heartbeat, which shows the first three and looks the jid up in forkq:cancel
         self.current: tuple[str, bytes, float, Any, str] | None = None
+        # (jid, done, total, note, at) of the running job's latest forkq.progress(), set by
+        # the job's thread (jobprogress.py), shown by the heartbeat beside that jid only
+        self.progress: tuple[Any, Any, Any, Any, float] | None = None
         # A cancel's handshake with the job's thread (see cancel() and _perform): the thread
         # is inside an unlimited job's run while `cancellable`; the heartbeat sets
         # `cancelling` before it looks, and a job that ends finding it set takes the slow
@@ -214,8 +217,9 @@ class Processor:
         if "forkq_chain" in job:  # the one test a job of no chain pays
             keep = chains.Next(keep, after)
         jobdef = lookup(name)
+        self.progress = None  # the last job's, before this one shows as running
         self.current = (unit.queue, unit.raw, time.time(), job.get("jid"), unit.token)
-        logs.set_job(job.get("jid"), payload.display_name(job), unit.queue, job)
+        logs.set_job(job.get("jid"), payload.display_name(job), unit.queue, job, self)
         try:
             acked = self._perform(unit, job, name, jobdef, keep)
         finally:

@@ -9,10 +9,10 @@ from forkq import logs
 _set_job = logs.set_job
 
 
-def _faulty_set_job(jid, name, queue, job=None):
+def _faulty_set_job(jid, name, queue, job=None, owner=None):
     if queue == "faulty":
         raise RuntimeError("a fault in forkq, outside the job")
-    _set_job(jid, name, queue, job)
+    _set_job(jid, name, queue, job, owner)
 
 
 logs.set_job = _faulty_set_job
