@@ -579,6 +579,14 @@ def _args_text(job: dict | None) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _progress_text(progress) -> str | None:
+    """"1,200/2,000 (60%) importing", cut to fit a table row."""
+    if progress is None:
+        return None
+    text = progress.describe()
+    return text if len(text) <= 50 else text[:47] + "..."
+
+
 def _enqueued_at(job: dict | None) -> float:
     from . import api
     return api.stamp((job or {}).get("enqueued_at")) or math.inf
@@ -597,12 +605,14 @@ def _busy(conn, args):
         took = now - j.run_at if j.run_at else None
         name = payload.display_name(job) if job else None
         row = {"identity": j.identity, "thread": j.thread, "queue": j.queue, "jid": job.get("jid"),
-               "class": name, "args": job.get("args"), "run_at": j.run_at, "running_for": took}
+               "class": name, "args": job.get("args"), "run_at": j.run_at, "running_for": took,
+               "progress": j.progress.to_dict() if j.progress else None}
         if "kwargs" in job:
             row["kwargs"] = job["kwargs"]
         data.append(row)
-        rows.append([j.identity, j.queue, job.get("jid"), name, _age(took), _args_text(j.job)])
-    header = ["process", "queue", "jid", "class", "running", "args"]
+        rows.append([j.identity, j.queue, job.get("jid"), name, _age(took), _progress_text(j.progress),
+                     _args_text(j.job)])
+    header = ["process", "queue", "jid", "class", "running", "progress", "args"]
     return data, _table(header, rows) if rows else ["no jobs running"]
 
 

@@ -25,11 +25,12 @@ from typing import Any, Self
 
 import redis
 
-from . import batch, client, control, keys, payload, scripts, unique
+from . import batch, client, control, jobprogress, keys, payload, scripts, unique
 from .pause import Pause, pause, paused, resume, wait_honoured  # noqa: F401  (the API)
 from .cancel import Location, Outcome, cancel, cancel_many, locate  # noqa: F401  (the API)
 from .errors import MalformedPayload
 from .fetch import crash_id
+from .jobprogress import Progress  # noqa: F401  (the API)
 from .retry import MALFORMED_CLASS
 
 DEFAULT_PAGE = 500
@@ -363,6 +364,8 @@ class RunningJob:
     queue: str | None
     run_at: float | None
     job: dict[str, Any] | None
+    # its latest forkq.progress(), as of its process's last heartbeat
+    progress: Progress | None = None
 
 
 def _running_entry(identity: str, thread: bytes, raw: bytes) -> RunningJob:
@@ -382,7 +385,8 @@ def _running_entry(identity: str, thread: bytes, raw: bytes) -> RunningJob:
             job = None
     # Sidekiq 8 writes run_at in milliseconds, as its payload stamps
     return RunningJob(identity, _text(thread), entry.get("queue"), stamp(entry.get("run_at")),
-                      job if isinstance(job, dict) else None)
+                      job if isinstance(job, dict) else None,
+                      Progress.read(entry.get(jobprogress.FIELD)))
 
 
 def running(conn: redis.Redis) -> list[RunningJob]:

@@ -27,6 +27,7 @@ import redis
 
 from . import control, keys, payload, results, scripts
 from .errors import MalformedPayload
+from .jobprogress import Progress
 from .retry import CANCELLED_CLASS, cancel_message
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class Location:
     forkq: bool | None = None  # running: whether that process reads cancel requests
     result: dict[str, Any] | None = None  # finished: the kept element
     job: dict[str, Any] | None = None
+    progress: Progress | None = None  # running: its latest forkq.progress(), if any
     raw: bytes | None = field(default=None, repr=False)  # the exact entry, to remove it
 
     def describe(self) -> str:
@@ -89,7 +91,8 @@ class Location:
         if s == "running":
             who = f"{self.host} pid {self.pid}" if self.host else "a process"
             kind = "" if self.forkq else " (not forkq: it does not read cancel requests)"
-            return f"running on {who} ({self.identity}) since {_utc(self.at)}{kind}"
+            done = f", at {self.progress.describe()}" if self.progress else ""
+            return f"running on {who} ({self.identity}) since {_utc(self.at)}{done}{kind}"
         if s == "claimed":
             return f"claimed by forkq process {self.identity} (starting, or just ended)"
         if s == "dead":
@@ -104,6 +107,7 @@ class Location:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("raw")
+        out["progress"] = self.progress.to_dict() if self.progress else None
         out["description"] = self.describe()
         return out
 
@@ -288,7 +292,8 @@ def _where_running(conn: redis.Redis, jid: str, identity: str, kind: str,
                         job=_parse(raw))
     entry = api._running_entry(identity, b"", value)
     return Location("running", jid, entry.queue, at=entry.run_at, identity=identity, host=host,
-                    pid=pid, forkq=hb is not None and reads_cancels(hb), job=entry.job)
+                    pid=pid, forkq=hb is not None and reads_cancels(hb), job=entry.job,
+                    progress=entry.progress)
 
 
 def reads_cancels(hb: dict[str, Any]) -> bool:

@@ -189,7 +189,7 @@ def test_busy_lists_running_jobs_longest_first(r, redis_url, workers):
     assert busy[0]["identity"] == w.identity and busy[0]["args"] == [20, "first"]
     assert busy[0]["running_for"] >= busy[1]["running_for"] >= 0
     table = run("busy").stdout.splitlines()
-    assert table[0].split() == ["process", "queue", "jid", "class", "running", "args"]
+    assert table[0].split() == ["process", "queue", "jid", "class", "running", "progress", "args"]
     assert first in table[1] and second in table[2]
 
 
