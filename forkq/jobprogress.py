@@ -113,7 +113,10 @@ class Progress:
         """Whole percent done (floored: 99.9% is not 100%), None without a total above 0."""
         if not self.total:
             return None
-        return math.floor(self.done * 100 / self.total)
+        try:
+            return math.floor(self.done * 100 / self.total)
+        except OverflowError:  # ints past a float's range: valid, but no percent
+            return None
 
     def describe(self) -> str:
         """"1,200/2,000 (60%) importing": done, total, percent and note, as known."""
@@ -129,7 +132,8 @@ class Progress:
 
 
 def _finite(value: Any) -> bool:
-    return type(value) in (int, float) and math.isfinite(value) and value >= 0
+    # an int is compared as it is: math.isfinite() raises for one past a float's range
+    return (type(value) is int and value >= 0) or (type(value) is float and 0 <= value < _INF)
 
 
 def _count(value: float) -> str:

@@ -268,6 +268,11 @@ def test_describe_and_read():
                  {"done": -1}):
         assert Progress.read(junk) is None
     assert Progress.read({"done": 1, "note": 5, "at": "x"}) == Progress(1, None, None, None)
+    # valid JSON past a float's range: read, and a percent only where it fits one
+    huge = Progress.read({"done": 10**400, "total": 10**401})
+    assert huge is not None and huge.percent() == 10 and huge.describe().startswith("10,000,")
+    assert Progress.read({"done": 10**400, "total": 1}).percent() is None
+    assert Progress(1.5e308, 1e-300, None, None).percent() is None
 
 
 def _get(app, path: str) -> tuple[str, str]:
