@@ -26,6 +26,9 @@ _job = logs._job
 _TASK_JOB = logs.TASK_JOB
 _NO_TASK = (None,)
 _INF = math.inf
+# ints from here on are kept as floats: the heartbeat's json.dumps refuses an int of more
+# than 4,300 digits, and a failing beat would stop the process's heartbeat, not one report
+_BIG = 2**63
 _now = time.time
 
 OUTSIDE = ("forkq.progress() was called outside a running job: call it from the job's own "
@@ -47,11 +50,11 @@ def progress(done: float, total: float | None = None, note: str | None = None) -
         raise RuntimeError(OUTSIDE)
     # the common case first: plain ints and floats, checked without an ABC lookup
     kind = done.__class__
-    if not ((kind is int and done >= 0) or (kind is float and 0 <= done < _INF)):
+    if not ((kind is int and 0 <= done < _BIG) or (kind is float and 0 <= done < _INF)):
         done = _number("done", done)
     if total is not None:
         kind = total.__class__
-        if not ((kind is int and total >= 0) or (kind is float and 0 <= total < _INF)):
+        if not ((kind is int and 0 <= total < _BIG) or (kind is float and 0 <= total < _INF)):
             total = _number("total", total)
     if note is not None:
         if note.__class__ is not str:
@@ -72,13 +75,23 @@ def _number(name: str, value: Any) -> int | float:
         raise TypeError(f"forkq.progress: {name} must be a number, not {type(value).__name__}")
     try:
         plain: int | float = int(value) if isinstance(value, numbers.Integral) else float(value)
+        if plain.__class__ is int and plain >= _BIG:
+            plain = float(plain)
     except (OverflowError, ValueError) as exc:
-        raise ValueError(f"forkq.progress: {name} must be finite, not {value!r}") from exc
+        raise ValueError(f"forkq.progress: {name} must be finite, not {_shown(value)}") from exc
     if plain != plain or plain in (math.inf, -math.inf):
-        raise ValueError(f"forkq.progress: {name} must be finite, not {value!r}")
+        raise ValueError(f"forkq.progress: {name} must be finite, not {_shown(value)}")
     if plain < 0:
-        raise ValueError(f"forkq.progress: {name} must not be negative, not {value!r}")
+        raise ValueError(f"forkq.progress: {name} must not be negative, not {_shown(value)}")
     return plain
+
+
+def _shown(value: Any) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's 4,300 digits for str()
+        return "an int of more than 4,300 digits"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def entry(recorded: tuple[Any, Any, Any, Any, float]) -> dict[str, Any]:

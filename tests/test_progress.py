@@ -223,12 +223,15 @@ def test_arguments_are_checked_and_a_note_is_cut():
     plain = _recorded(Int(3), Float(4.5))
     assert plain[1:3] == (3, 4.5) and type(plain[1]) is int and type(plain[2]) is float
     assert _recorded(fractions.Fraction(1, 2))[1] == 0.5
+    # a huge int as a float: the heartbeat's JSON could not write one of 5,000 digits
+    assert _recorded(2**70, 10**300)[1:3] == (float(2**70), 1e300)
     bad = [((True,), TypeError, "done must be a number, not bool"),
            (("5",), TypeError, "done must be a number, not str"),
            ((None,), TypeError, "done must be a number"),
            ((1, "2"), TypeError, "total must be a number"),
            ((math.nan,), ValueError, "done must be finite"),
            ((1, math.inf), ValueError, "total must be finite"),
+           ((10**5000,), ValueError, "done must be finite"),
            ((Float("nan"),), ValueError, "done must be finite"),
            ((-1,), ValueError, "done must not be negative"),
            ((1, -0.5), ValueError, "total must not be negative"),
