@@ -190,7 +190,14 @@ def test_an_async_job_reports_progress_from_its_coroutine(running, r):
     assert api.running(r)[0].progress.describe() == "7.5/30 (25%) encoding"
 
 
-def test_outside_a_job_and_in_a_thread_the_job_started_it_raises_runtime_error():
+@pytest.fixture
+def no_middleware(monkeypatch):
+    """Without what other modules register (corekit's core_jobs records each payload in
+    Redis): these jobs run under forkq.testing, with no Redis."""
+    monkeypatch.setattr(hooks, "SERVER_MIDDLEWARE", [])
+
+
+def test_outside_a_job_and_in_a_thread_the_job_started_it_raises_runtime_error(no_middleware):
     reported.clear()
     with pytest.raises(RuntimeError, match="outside a running job"):
         forkq.progress(1, 2)
@@ -241,7 +248,7 @@ def test_arguments_are_checked_and_a_note_is_cut():
             _recorded(*args)
 
 
-def test_under_testing_fake_and_inline_a_reporting_job_runs():
+def test_under_testing_fake_and_inline_a_reporting_job_runs(no_middleware):
     reported.clear()
     with testing.inline():
         reporter.enqueue(3)
