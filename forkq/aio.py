@@ -117,7 +117,7 @@ def _serve(new: asyncio.AbstractEventLoop) -> None:
 class _Run:
     """One async job's run, shared by its processor thread and the loop's."""
 
-    __slots__ = ("coro", "done", "task", "abandoned", "cancelled")
+    __slots__ = ("coro", "done", "task", "abandoned", "cancelled", "stopping")
 
     def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
         self.coro = coro
@@ -126,9 +126,14 @@ class _Run:
         self.task: asyncio.Task[Any] | None = None
         self.abandoned = False
         self.cancelled = False  # by an operator (cancel_run), before it ended
+        # set by cancel_run before it looks for the loop: one that came while the loop was
+        # still starting is acted on when the run reaches it
+        self.stopping = False
 
     def start(self) -> None:
         """In the loop's thread, in the job's context."""
+        if self.stopping:
+            self.stop()
         if self.abandoned:  # cancelled before the loop got to it
             return
         self.task = asyncio.get_running_loop().create_task(self.coro)
@@ -151,6 +156,8 @@ class _Run:
             return
         # never started (the processor was interrupted before its submission reached the
         # loop): nothing will run it
+        if self.abandoned:  # a cancel and a stop both came first: done is released once
+            return
         self.abandoned = True
         self.coro.close()
         self.done.release()
@@ -180,14 +187,18 @@ def run(coro: Coroutine[Any, Any, Any], limited: bool = False) -> Any:
             "coroutine pushing a job under forkq.testing.inline()): forkq would block that "
             "loop waiting for the job. Push it under forkq.testing.fake() and call "
             "jobs.drain() outside the loop, or await the job's function directly")
-    target = loop()
-    ctx = contextvars.copy_context()
     running = [getattr(logs._job, "current", None)]
-    ctx.run(_TASK_JOB.set, running)
     job = _Run(coro)
     ident = threading.get_ident()
+    # Before the loop may be started: from here an operator's cancel goes through the run
+    # (cancel_run), never raised in this thread, where it could land in the loop's start-up
+    # (threading's own code, under _lock) and leave a loop thread nobody uses, or this
+    # thread waiting for good with _lock held.
     _runs[ident] = job
     try:
+        target = loop()
+        ctx = contextvars.copy_context()
+        ctx.run(_TASK_JOB.set, running)
         try:
             # from here an interruption always reaches job.cancel, after job.start if that
             # was queued: the loop runs callbacks in order
@@ -225,9 +236,12 @@ def cancel_run(ident: int) -> bool:
     waits for a coroutine, cancel that coroutine's task on the loop, and True. The thread
     may be blocked in one C wait, which an exception raised in it could not interrupt."""
     job = _runs.get(ident)
-    target = _loop
-    if job is None or target is None:
+    if job is None:
         return False
+    job.stopping = True  # before the loop is read: see run()
+    target = _loop
+    if target is None:  # the thread is starting the loop: job.start finds `stopping` set
+        return True
     try:
         target.call_soon_threadsafe(job.stop)
     except RuntimeError:  # the loop is closed: raise in the thread instead

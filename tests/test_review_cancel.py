@@ -1,0 +1,167 @@
+"""Cancelling running jobs, from an adversarial review: cancels that arrive at awkward
+moments in the worker (async jobs whose event loop is just starting).
+
+A real Manager and Launcher in this process against the shared Redis, as in
+test_cancel_worker; the cancels are fired by the test at the processor, as the heartbeat
+fires them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+
+import pytest
+import redis
+
+import forkq
+from forkq import aio, hooks, keys
+from forkq import processor as processor_mod
+from forkq.launcher import Launcher
+from forkq.manager import Manager
+from forkq.queues import QueueOrder
+from forkq.timelimit import WATCHDOG
+from helpers import wait_until
+
+QUEUE = "rq"
+IDENTITY = "test:1:revcancel0a"
+BEAT_S = 0.1
+
+
+def _spin(n: int) -> None:
+    end = time.perf_counter() + 0.0001 * (n % 7)
+    while time.perf_counter() < end:
+        pass
+
+
+@forkq.job(queue=QUEUE, name="rc.async_brief")
+async def async_brief(n: int) -> int:
+    _spin(n)
+    await asyncio.sleep(0)
+    return n
+
+
+@forkq.job(queue=QUEUE, name="rc.async_quick")
+async def async_quick(tag: str) -> str:
+    await asyncio.sleep(0)
+    return tag
+
+
+@pytest.fixture
+def running(redis_url, r, monkeypatch):
+    monkeypatch.setattr(WATCHDOG, "on_fire", lambda: None)
+    monkeypatch.setattr(WATCHDOG, "grace", 0.5)
+    monkeypatch.setattr(hooks, "SERVER_MIDDLEWARE", [])
+    forkq.configure(redis_url)
+    made = []
+
+    def start(concurrency: int = 1):
+        manager = Manager(lambda: redis.Redis.from_url(redis_url), IDENTITY,
+                          QueueOrder([(QUEUE, 0)]), concurrency=concurrency, block_timeout=0.5)
+        launcher = Launcher(manager.redis, IDENTITY, manager, {"queues": [QUEUE]},
+                            on_signal=lambda signum: None, interval=BEAT_S)
+        manager.start()
+        launcher.start()
+        made.append((manager, launcher))
+        return manager, launcher
+
+    try:
+        yield start
+    finally:
+        for manager, launcher in made:
+            launcher.stop()
+            manager.stop(time.monotonic() + 5)
+            manager.fetch.close()
+        # a thread hung in the loop's start-up (the bug these tests catch) holds aio's lock:
+        # the shutdown would wait for it for good
+        if aio._lock.acquire(timeout=2):
+            aio._lock.release()
+            aio.shutdown()
+        forkq.client._default = None
+
+
+def dead(r) -> list[dict]:
+    return [json.loads(m) for m in r.zrange("dead", 0, -1)]
+
+
+@pytest.mark.timeout(30)
+def test_cancels_racing_async_jobs_never_hang_their_thread(running, r, monkeypatch, request):
+    """Cancels fired at a thread's async jobs back to back: each job ends once (done, or
+    dead as cancelled), nothing lands in forkq's code, and the thread never hangs. Before
+    cancel_run took the run before the loop starts, a cancel landing in the loop's start-up
+    (which an interrupted start leaves to the next job) hung the thread in most runs."""
+    faults = []
+    real_fault = processor_mod.Processor._fault
+
+    def fault(self, unit, exc):
+        faults.append(exc)
+        return real_fault(self, unit, exc)
+    monkeypatch.setattr(processor_mod.Processor, "_fault", fault)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.00002)
+    request.addfinalizer(lambda: sys.setswitchinterval(old))
+    aio.shutdown()  # the first job starts the loop, as in a new child
+    manager, launcher = running(concurrency=1)
+    launcher.stop()  # cancels come from this test, far faster than beats
+    (proc,) = manager.processors
+    n = 200
+    async_brief.enqueue_many([[i] for i in range(n)])
+    deadline = time.monotonic() + 15
+    while manager.counts()[0] < n and time.monotonic() < deadline:
+        cur = proc.current
+        if cur is not None:
+            proc.cancel(cur, b"{}")
+        time.sleep(0.0002)
+    processed, failed = manager.counts()
+    assert processed == n, (processed, failed)
+    assert faults == [] and not manager.lost_thread
+    jids = [e["jid"] for e in dead(r)]
+    assert len(jids) == failed == len(set(jids)) and r.zcard("retry") == 0
+    assert len(_loop_threads()) == 1
+
+def _loop_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "forkq-asyncio" and t.is_alive()]
+
+
+@pytest.mark.timeout(20)
+def test_a_cancel_as_the_first_async_job_starts_the_loop_leaves_one_loop(running, r, monkeypatch):
+    """The first async job of a process starts the event loop inside the job's run. A
+    cancel arriving then was raised in the thread (no task to cancel yet) and landed in
+    the loop's start-up, past its thread's start and before the loop was recorded: an
+    event loop thread left running for nothing, another started by the next async job,
+    and (landing inside threading's own code) a processor thread waiting for good with
+    aio's lock held. The cancel must reach the job through the run, not the thread."""
+    aio.shutdown()
+    assert aio._loop is None and _loop_threads() == []
+    manager, launcher = running(concurrency=1)
+    launcher.stop()  # the cancel comes from the test, exactly as the loop starts
+    (proc,) = manager.processors
+    real_thread = threading.Thread
+    fired = []
+
+    class Thread(real_thread):
+        def start(self):
+            super().start()
+            if self.name == "forkq-asyncio" and not fired:
+                # from another thread, as the heartbeat's, at this very moment
+                cur = proc.current
+                beat = real_thread(target=lambda: fired.append(proc.cancel(cur, b'{"by": "rev"}')))
+                beat.start()
+                beat.join()
+                end = time.monotonic() + 0.05
+                while time.monotonic() < end:  # Python code: a raised exception lands here
+                    pass
+
+    monkeypatch.setattr(aio.threading, "Thread", Thread)
+    jid = async_quick.enqueue("first")
+    (entry,) = wait_until(lambda: dead(r), timeout=5, message="the cancelled job in dead")
+    assert fired == [True]
+    assert entry["jid"] == jid and entry["error_class"] == "forkq.JobCancelled"
+    monkeypatch.setattr(aio.threading, "Thread", real_thread)
+    again = async_quick.enqueue("second")
+    wait_until(lambda: manager.counts() == (2, 1), timeout=5, message="the next async job done")
+    assert r.zcard("dead") == 1 and again != jid
+    assert len(_loop_threads()) == 1, _loop_threads()
+    assert aio._loop is not None and aio._thread in _loop_threads()
