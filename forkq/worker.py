@@ -128,9 +128,15 @@ class Worker:
             pass  # the master is gone: this child is stopping anyway
 
     def _stuck_thread(self) -> None:
+        """A job was given up, its thread still in the call it is stuck in: only a new
+        process gets that thread back. A limit or a cancel that raised in the thread asked
+        for one as it fired; an async job's cancel, handled on the loop, did not, and a
+        coroutine that swallows its CancelledError holds its thread as long as it runs."""
         if self.report_fd is None:
             log.error("this worker runs with one thread fewer until the stuck call returns; "
                       "restart it to get the thread back")
+            return
+        self._interrupted()  # the master marks the child once, however often it is asked
 
     def _loop(self) -> None:
         fds = [self._cmd_r] + ([self.control_fd] if self.control_fd is not None else [])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 import threading
 import time
@@ -24,6 +25,7 @@ from forkq.manager import Manager
 from forkq.queues import QueueOrder
 from forkq.timelimit import WATCHDOG
 from helpers import wait_until
+from test_supervisor import APPS, push, start_master, sup_events, wait_event  # noqa: F401
 
 QUEUE = "rq"
 IDENTITY = "test:1:revcancel0a"
@@ -165,3 +167,30 @@ def test_a_cancel_as_the_first_async_job_starts_the_loop_leaves_one_loop(running
     assert r.zcard("dead") == 1 and again != jid
     assert len(_loop_threads()) == 1, _loop_threads()
     assert aio._loop is not None and aio._thread in _loop_threads()
+
+
+@pytest.mark.timeout(60)
+def test_an_async_job_deaf_to_its_cancel_is_given_up_and_its_child_replaced(start_master, redis_url, r):
+    """A coroutine that swallows its CancelledError keeps its processor thread waiting
+    for its task: once the cancel is given up (recorded as cancelled without it), only a
+    new process gets that thread back. A sync job's cancel asks for the replacement as it
+    interrupts; an async job's, handled on the loop, did not, nor did the give-up in a
+    child: the child went on with a thread fewer for as long as the coroutine ran."""
+    m = start_master(processes=1, concurrency=2, app=APPS / "cancel_jobs.py",
+                     args=["--time-limit-grace", "0.5", "--heartbeat-interval", "0.2", "--timeout", "1"])
+    (before,) = m.wait_slots().values()
+    jid = push(redis_url, "cancel.deaf", "deaf")
+    (start,) = wait_event(r, m, "start", "deaf")
+    assert start["pid"] == before
+    r.hset(keys.CANCEL, jid, json.dumps({"at": time.time(), "by": "rev", "reason": "deaf"}))
+    (entry,) = wait_until(lambda: dead(r), timeout=10, message=f"the job in dead\n{m.tail()}")
+    assert entry["jid"] == jid and entry["error_class"] == "forkq.JobCancelled"
+    assert "could not be interrupted" in entry["error_message"]
+    after = wait_until(lambda: (s := m.slots()) and s.get(0) not in (None, before) and s[0],
+                       timeout=15, message=f"slot 0 replaced\n{m.tail()}")
+    push(redis_url, "cancel.quick", "after")
+    (done,) = wait_event(r, m, "done", "after")
+    assert done["pid"] == after
+    assert sup_events(r, "done", "deaf") == []
+    m.signal(signal.SIGTERM)
+    assert m.wait(20) == 0
