@@ -378,10 +378,16 @@ def cancel_many(conn: redis.Redis, jids: list[str], reason: str | None = None, b
     heartbeat, not one heartbeat after another as each gets its turn."""
     for jid in jids:
         check_jid(jid)
-    if reason is not None and not isinstance(reason, str):
-        raise TypeError(f"reason must be a str or None, not {type(reason).__name__}")
-    if by is not None and not isinstance(by, str):
-        raise TypeError(f"by must be a str or None, not {type(by).__name__}")
+    for name, value in (("reason", reason), ("by", by)):
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a str or None, not {type(value).__name__}")
+        try:  # checked before anything is written: the dead entry carries it as UTF-8
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{name} is not text UTF-8 can carry ({exc.reason}: "
+                             f"{value[exc.start:exc.end]!r} at {exc.start})") from None
     if not wait >= 0:
         raise ValueError(f"wait must be 0 or more seconds, not {wait!r}")
     texts = [cancel_message(request(conn, jid, reason, by)[1]) for jid in jids]

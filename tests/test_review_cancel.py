@@ -18,7 +18,7 @@ import pytest
 import redis
 
 import forkq
-from forkq import aio, hooks, keys
+from forkq import aio, api, hooks, keys
 from forkq import processor as processor_mod
 from forkq.launcher import Launcher
 from forkq.manager import Manager
@@ -49,6 +49,13 @@ async def async_brief(n: int) -> int:
 async def async_quick(tag: str) -> str:
     await asyncio.sleep(0)
     return tag
+
+
+@forkq.job(queue=QUEUE, name="rc.spin", retry=3)
+def spin() -> None:
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        pass
 
 
 @pytest.fixture
@@ -194,3 +201,21 @@ def test_an_async_job_deaf_to_its_cancel_is_given_up_and_its_child_replaced(star
     assert sup_events(r, "done", "deaf") == []
     m.signal(signal.SIGTERM)
     assert m.wait(20) == 0
+
+
+
+@pytest.mark.timeout(20)
+def test_a_reason_utf8_cannot_carry_is_refused_before_anything_is_written(redis_url, r):
+    """api.cancel wrote the request, then failed moving the job with a UnicodeEncodeError
+    from deep in redis-py: the job left waiting with a request standing, for a worker to
+    cancel it later by surprise. A clear ValueError first, and nothing written."""
+    forkq.configure(redis_url)
+    try:
+        jid = spin.enqueue()
+        for kwargs in ({"reason": "why\udcff"}, {"by": "\ud800ops"}):
+            with pytest.raises(ValueError, match="not text UTF-8 can carry"):
+                api.cancel(r, jid, wait=0, **kwargs)
+        assert r.hlen(keys.CANCEL) == 0 and r.llen(f"queue:{QUEUE}") == 1 and r.zcard("dead") == 0
+        assert api.cancel(r, jid, reason="why", wait=0).state == "removed"
+    finally:
+        forkq.client._default = None
