@@ -288,8 +288,10 @@ def _where_running(conn: redis.Redis, jid: str, identity: str, kind: str,
     pid = info.get("pid") if type(info.get("pid")) is int else None
     if kind == "inflight":
         name, _, raw = _text(value).partition("\n")
-        return Location("claimed", jid, name, identity=identity, host=host, pid=pid, forkq=True,
-                        job=_parse(raw))
+        # a process with no heartbeat (starting, or dead with the job to be put back) is
+        # taken at its word as a forkq one: the job ends where requests are read
+        return Location("claimed", jid, name, identity=identity, host=host, pid=pid,
+                        forkq=hb is None or reads_cancels(hb), job=_parse(raw))
     entry = api._running_entry(identity, b"", value)
     return Location("running", jid, entry.queue, at=entry.run_at, identity=identity, host=host,
                     pid=pid, forkq=hb is not None and reads_cancels(hb), job=entry.job,
@@ -426,7 +428,7 @@ class _Canceller:
                     return Outcome("pending", self.jid, where, f"{where.describe()}, and moved "
                                    "each time it was to be removed; the request stays")
                 continue  # claimed or moved meanwhile: find it again
-            if where.state == "running" and not where.forkq:
+            if where.state in ("running", "claimed") and not where.forkq:
                 return self._done("not_forkq", where,
                                   f"{where.describe()}; it cannot be stopped from here")
             if where.state in ("running", "claimed"):

@@ -219,3 +219,23 @@ def test_a_reason_utf8_cannot_carry_is_refused_before_anything_is_written(redis_
         assert api.cancel(r, jid, reason="why", wait=0).state == "removed"
     finally:
         forkq.client._default = None
+
+
+@pytest.mark.timeout(20)
+def test_a_job_claimed_by_a_forkq_that_reads_no_cancels_is_not_forkq_not_pending(redis_url, r):
+    """A forkq from before cancels (in a rolling upgrade) holds the job in flight, not yet
+    in its running jobs (claimed since its last beat): the cancel waited on it as on a
+    process that reads requests, said "pending" ("its worker stops it at its next
+    heartbeat", which it never does) and left the request standing."""
+    identity = "old:7:forkq0000001"
+    jid = "%024x" % 77
+    job = {"class": "app.Thing", "args": [], "jid": jid, "queue": "a"}
+    r.sadd(keys.PROCESSES, identity)
+    r.hset(keys.OWNERS, identity, "{}")
+    r.hset(identity, mapping={"beat": 100.0, "busy": 1, "info": json.dumps(
+        {"hostname": "h", "pid": 7, "forkq": True})})  # no "forkq_cancel"
+    r.hset(keys.inflight(identity), "tok", "a\n" + json.dumps(job))
+    assert api.locate(r, jid).forkq is False
+    out = api.cancel(r, jid, wait=1.0, poll=0.05)
+    assert (out.state, out.where.state) == ("not_forkq", "claimed"), out
+    assert not r.hexists(keys.CANCEL, jid)
