@@ -69,6 +69,18 @@ local function near_remove()
     end
     return left
   end
+  -- look for the entries of `left` from BEHIND before lo on, reading more each time
+  local function search(left, lo, hi)
+    local from, to = math.max(lo - BEHIND, 0), hi + AHEAD
+    while #left > 0 and budget > 0 and from < len do
+      to = math.min(to, from + budget - 1)
+      local rows = redis.call('LRANGE', key, from, to)
+      budget = budget - #rows
+      left = match(rows, from, left)
+      from, to = to + 1, to + 2 * (to - from + 1)
+    end
+    return left
+  end
   local q = first
   while q < #ARGV do
     local run = {q}
@@ -81,14 +93,13 @@ local function near_remove()
     local hi = expected(run[#run]) + shift
     -- (hi below 0 would be counted from the right end by LRANGE)
     local left = hi < lo and run or match(redis.call('LRANGE', key, lo, hi), lo, run)
-    -- moved: a push moves an entry one from the head, a removal nearer the head one back
-    local from, to = math.max(lo - BEHIND, 0), hi + AHEAD
-    while #left > 0 and budget > 0 and from < len do
-      to = math.min(to, from + budget - 1)
-      local rows = redis.call('LRANGE', key, from, to)
-      budget = budget - #rows
-      left = match(rows, from, left)
-      from, to = to + 1, to + 2 * (to - from + 1)
+    -- moved: a push moves an entry one from the head, a removal nearer the head one back.
+    -- Around where the last one found had moved to, then around where these were read:
+    -- entries read later than it (apply gathers pages over half a second) moved less.
+    left = search(left, lo, hi)
+    local read_lo = math.max(expected(run[1]), 0)
+    if #left > 0 and read_lo ~= lo then
+      left = search(left, read_lo, expected(run[#run]))
     end
   end
   if found > 0 then
