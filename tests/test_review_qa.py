@@ -89,3 +89,27 @@ def test_deleting_every_30th_big_job_reads_the_ones_between_only_when_they_are_s
     assert script_usec(r) < 150_000
     left = waiting(r)
     assert left == [i for i in range(1500) if i % 30]
+
+
+@pytest.mark.timeout(20)
+def test_deleting_one_copy_of_a_job_pushed_twice_deletes_that_copy_not_the_other(r, redis_url):
+    """The same job pushed twice is two equal entries. Deleting the copy next to run after
+    a push had moved it removed the first equal entry the search met, the other copy: the
+    one left jumped ahead of a job it had been queued behind."""
+    twice = job(100)
+    lay_out(r, [twice, job(1), twice])
+    queue = api.Queue(r, "mail")
+    next_copy = next(iter(queue))
+    assert next_copy.position == 0 and next_copy.raw == twice.encode()
+    lay_out(r, [job(2)])
+    assert queue.delete([next_copy]) == 1
+    assert waiting(r) == [1, 100, 2]
+    # the copy next to run and a job pushed after both chosen, read in one stretch once a
+    # push moved them: the other copy is in that stretch, one from where the chosen was
+    r.delete(keys.queue("mail"))
+    lay_out(r, [twice, job(1), twice, job(0)])
+    chosen = [e for e in queue.entries() if e.position == 0 or e.job["args"][0] == 0]
+    assert [e.position for e in chosen] == [0, 3]
+    lay_out(r, [job(4)])
+    assert queue.delete(chosen) == 2
+    assert waiting(r) == [1, 100, 4]

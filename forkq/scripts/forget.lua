@@ -43,35 +43,56 @@ local function near_remove()
   local function expected(q)
     return tonumber(ARGV[6 + (q - first) / 4])
   end
-  -- the entries of quadruplets qs found among rows read from index `at`; returns the others
-  local function match(rows, at, qs)
-    local wanted = {}
+  -- the entries of quadruplets qs found among rows read from index `at`, each looked for
+  -- near where it was read plus `guess` (the move assumed), or with `exact` only there;
+  -- returns the others. Of equal entries (one job pushed twice) the nearest is taken: the
+  -- first one met was often the other copy, which left the one kept ahead of jobs it had
+  -- been queued behind.
+  local function match(rows, at, qs, guess, exact)
+    local wanted, members = {}, {}
     for _, q in ipairs(qs) do
       local same = wanted[ARGV[q]]
       if same then
         same[#same + 1] = q
       else
         wanted[ARGV[q]] = {q}
+        members[#members + 1] = ARGV[q]
       end
     end
+    local at_rows = {}
     for j = 1, #rows do
-      local same = wanted[rows[j]]
-      if same and #same > 0 then
-        local q = table.remove(same, 1)
-        local index = at + j - 1
-        -- negative past the middle: a Redis before 7 seeks a positive index from the head
-        redis.call('LSET', key, index < len / 2 and index or index - len, tomb)
-        gone[q] = true
-        found = found + 1
-        low = math.min(low, index)
-        high = math.max(high, index)
-        shift = index - expected(q)
+      if wanted[rows[j]] then
+        local where = at_rows[rows[j]]
+        if where then
+          where[#where + 1] = at + j - 1
+        else
+          at_rows[rows[j]] = {at + j - 1}
+        end
       end
     end
     local left = {}
-    for _, same in pairs(wanted) do
-      for _, q in ipairs(same) do
-        left[#left + 1] = q
+    for _, m in ipairs(members) do
+      local where = at_rows[m] or {}
+      for _, q in ipairs(wanted[m]) do
+        local near, best = 1, math.abs((where[1] or 0) - expected(q) - guess)
+        if #where == 0 or exact and best > 0 then
+          left[#left + 1] = q
+        else
+          for k = 2, #where do
+            local d = math.abs(where[k] - expected(q) - guess)
+            if d <= best then  -- a tie: the later one (pushes move entries on, not back)
+              near, best = k, d
+            end
+          end
+          local index = table.remove(where, near)
+          -- negative past the middle: a Redis before 7 seeks a positive index from the head
+          redis.call('LSET', key, index < len / 2 and index or index - len, tomb)
+          gone[q] = true
+          found = found + 1
+          low = math.min(low, index)
+          high = math.max(high, index)
+          shift = index - expected(q)
+        end
       end
     end
     return left
@@ -79,8 +100,9 @@ local function near_remove()
   -- look for the entries of `left` from BEHIND before lo on, reading more each time
   -- (a read is sized by the bytes left and the size of the entries read so far, at first
   -- of one sought: it cannot know an entry's size before it reads it)
-  local function search(left, lo, hi)
-    local from, to = math.max(lo - BEHIND, 0), hi + AHEAD
+  local function search(left, lo, hi, guess)
+    -- (`to` below 0 would be counted from the right end by LRANGE)
+    local from, to = math.max(lo - BEHIND, 0), math.max(hi + AHEAD, 0)
     local seen, size = 0, #ARGV[left[1] or first] + 1
     while #left > 0 and budget > 0 and bytes > 0 and from < len do
       to = math.min(to, from + budget - 1, from + math.floor(bytes / size))
@@ -91,7 +113,7 @@ local function near_remove()
       end
       seen = seen + #rows
       size = math.max(1, math.floor((SEARCH_BYTES - bytes) / math.max(seen, 1)))
-      left = match(rows, from, left)
+      left = match(rows, from, left, guess)
       from, to = to + 1, to + 2 * (to - from + 1)
     end
     return left
@@ -108,14 +130,15 @@ local function near_remove()
     local lo = math.max(expected(run[1]) + shift, 0)
     local hi = expected(run[#run]) + shift
     -- (hi below 0 would be counted from the right end by LRANGE)
-    local left = hi < lo and run or match(redis.call('LRANGE', key, lo, hi), lo, run)
+    local left = hi < lo and run or match(redis.call('LRANGE', key, lo, hi), lo, run, shift, true)
     -- moved: a push moves an entry one from the head, a removal nearer the head one back.
     -- Around where the last one found had moved to, then around where these were read:
     -- entries read later than it (apply gathers pages over half a second) moved less.
-    left = search(left, lo, hi)
+    local guess = shift
+    left = search(left, lo, hi, guess)
     local read_lo = math.max(expected(run[1]), 0)
     if #left > 0 and read_lo ~= lo then
-      left = search(left, read_lo, expected(run[#run]))
+      left = search(left, read_lo, expected(run[#run]), 0)
     end
   end
   if found > 0 then
