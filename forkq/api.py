@@ -262,9 +262,10 @@ class Queue(_List):
     def clear(self) -> int:
         """Remove every job, ending each as delete() does; returns how many it removed.
 
-        A page of jobs at a time (CLEAR_PAGE), each page one round trip: a script pops
-        them from the end workers pop, drops those with nothing to end, and puts the others
-        back where they were (scripts/clear_list_page.lua); forget.lua removes and ends
+        A page of jobs at a time (CLEAR_PAGE, fewer when they pass 8 MB), each page one
+        round trip: a script pops them from the end workers pop, drops those with nothing
+        to end, and puts the others back where they were (scripts/clear_list_page.lua);
+        forget.lua removes and ends
         those in the same pipeline as the next page's pop. So a job is in the queue until
         it is dropped or ended: one a worker takes meanwhile is run and ended by that
         worker, never twice, and a client that dies between leaves jobs queued, never

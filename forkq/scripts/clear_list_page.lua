@@ -8,9 +8,26 @@
 -- KEYS[1] the queue, ARGV[1] how many entries to take
 -- Returns {entries taken, entries dropped, the queue's length after, then the entries put
 -- back, leftmost first: the last of them is at index length - 1}
+--
+-- Fewer are taken once they hold MAX_BYTES (at least one): every entry is copied into Lua,
+-- and the kept ones back and to the client, so 1,000 jobs of 100 KB held Redis 0.3-0.8 s
+-- a call. The pops are sized by the entries' size so far, from a first small one.
 --#include plain
-local taken = redis.call('RPOP', KEYS[1], tonumber(ARGV[1]))
-if not taken then
+local MAX_BYTES = 8388608
+local want = tonumber(ARGV[1])
+local taken, bytes, n = {}, 0, 16
+while #taken < want and bytes < MAX_BYTES do
+  local got = redis.call('RPOP', KEYS[1], math.min(n, want - #taken))
+  if not got then
+    break
+  end
+  for i = 1, #got do
+    taken[#taken + 1] = got[i]
+    bytes = bytes + #got[i]
+  end
+  n = math.max(1, math.floor((MAX_BYTES - bytes) / math.max(1, bytes / #taken)))
+end
+if #taken == 0 then
   return {0, 0, 0}
 end
 -- RPOP gives the rightmost first: walked backwards, RPUSH puts them back in place
