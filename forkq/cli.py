@@ -509,6 +509,9 @@ def start(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop_while_starting)
     try:
+        # --reload execs with them blocked (reload.reexec): one sent during the exec is
+        # pending until now, and ends this start as a stop during the import would
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT))
         return _start(settings)
     except StoppedWhileStarting as exc:
         logs.get("forkq").info("stop requested while starting; exiting before taking any job",
@@ -583,7 +586,9 @@ def _start(settings: Settings) -> int:
             code = master.run()
             if master.reload_wanted():
                 from . import reload
-                reload.reexec()  # inside the with: the pidfile stays, with the same pid
+                # inside the with: the pidfile stays, with the same pid; returns if a stop
+                # signal came in while it flushed the logs
+                reload.reexec(master.stop_pending)
             if watcher is not None and master.state == "failed":
                 # the children could not start (an on_fork hook raising, say): a broken edit
                 # too, which the next change may fix

@@ -20,12 +20,13 @@ terminal's Ctrl-C stay the same. The caller stops its workers first, the normal 
 from __future__ import annotations
 
 import os
+import signal
 import site
 import sys
 import sysconfig
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from . import logs
 
@@ -220,9 +221,19 @@ def wait_for_change(watcher: Watcher) -> list[str]:
             return changed
 
 
-def reexec() -> None:
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def reexec(stop_pending: Callable[[], bool] | None = None) -> None:
     """Replace this process with a new run of the same command: same pid, argv, and the
-    environment and working directory forkq started with. Does not return."""
+    environment and working directory forkq started with. Does not return, but when
+    `stop_pending()` says a stop signal came in meanwhile (flushing a log to a slow pipe
+    can take a while): then there is nothing to restart.
+
+    A stop signal would be lost between that last look and the new process's handlers
+    (or, before them, end it by default: Ctrl-C printed a KeyboardInterrupt traceback),
+    so both are blocked from the look on: the exec keeps them blocked and pending, and
+    cli.start unblocks them once its handlers are in place."""
     environ, cwd = _started if _started else (dict(os.environ), os.getcwd())
     logs.flush()
     for stream in (sys.stdout, sys.stderr):
@@ -230,8 +241,14 @@ def reexec() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os.chdir(cwd)
     # orig_argv: the interpreter's own command line (`python -m forkq ...`, the `forkq`
     # script, `python -c ...`), with any -X or -W options
     argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
-    os.execve(sys.executable, argv, environ)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        if stop_pending is not None and stop_pending():
+            return
+        os.chdir(cwd)
+        os.execve(sys.executable, argv, environ)
+    finally:  # not exec'd: a signal held meanwhile is handled here
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)

@@ -291,17 +291,22 @@ class Supervisor:
 
     def reload_wanted(self) -> bool:
         """After run(): whether to exec a new master. Not if a stop signal came in after the
-        loop's last look at its self-pipe."""
+        loop's last look at its self-pipe (reload.reexec looks again, just before the exec)."""
         if self.reloading is None or self.exit_code != 0:
             return False
+        return not self.stop_pending()
+
+    def stop_pending(self) -> bool:
+        """Whether a stop signal came in since the loop last read its self-pipe (the reload
+        is then cancelled)."""
         try:
             pending = os.read(self._sig_r, 256)
         except (BlockingIOError, OSError):
             pending = b""
         if any(signum in (signal.SIGINT, signal.SIGTERM) for signum in pending):
             self.cancel_reload(signal.SIGTERM if signal.SIGTERM in pending else signal.SIGINT)
-            return False
-        return True
+            return True
+        return False
 
     def tell(self, child: Child, signum: int) -> None:
         try:

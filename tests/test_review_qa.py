@@ -133,3 +133,77 @@ def test_a_clear_of_big_jobs_holds_redis_briefly_each_call(r, redis_url):
         r.config_set("slowlog-log-slower-than", before)
     assert r.llen(keys.queue("mail")) == 0
     assert slowest < 150_000
+
+
+# -- forkq start --reload ---------------------------------------------------------------------
+
+
+class _Exec(Exception):
+    """os.execve, stood in for: it would replace the test process."""
+
+
+@pytest.mark.timeout(10)
+def test_a_stop_signal_while_the_reload_flushes_its_logs_ends_forkq_instead(monkeypatch):
+    """The master looked at its self-pipe for a stop signal, then flushed its logs (a pipe
+    to a slow reader can hold that for long) and exec'd: a SIGTERM or Ctrl-C meanwhile was
+    written to the pipe the exec threw away, and the new master ran on. It now looks again
+    with the stop signals blocked, and execs with them still blocked, so that one sent
+    during the exec is pending for the new process (test below)."""
+    import os
+    import signal
+
+    from forkq import logs, reload
+    from forkq.settings import Settings
+    from forkq.supervisor import Supervisor, _noop
+    sup = Supervisor(Settings(processes=1))
+    os.set_blocking(sup._sig_r, False)  # as run() leaves them
+    os.set_blocking(sup._sig_w, False)
+    old_fd = signal.set_wakeup_fd(sup._sig_w)
+    old_term = signal.signal(signal.SIGTERM, _noop)
+    masks = []
+
+    def execve(path, argv, env):
+        masks.append(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        raise _Exec
+
+    monkeypatch.setattr(os, "execve", execve)
+    try:
+        sup.reloading = ["jobs.py"]
+        assert sup.reload_wanted()
+        monkeypatch.setattr(logs, "flush", lambda: os.kill(os.getpid(), signal.SIGTERM))
+        reload.reexec(sup.stop_pending)  # returns: no exec
+        assert masks == [] and sup.reloading is None
+        monkeypatch.setattr(logs, "flush", lambda: None)
+        with pytest.raises(_Exec):
+            reload.reexec(sup.stop_pending)
+        assert {signal.SIGTERM, signal.SIGINT} <= masks[0]
+        assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # exec failed: unblocked
+    finally:
+        signal.set_wakeup_fd(old_fd)
+        signal.signal(signal.SIGTERM, old_term)
+        os.close(sup._sig_r)
+        os.close(sup._sig_w)
+
+
+@pytest.mark.timeout(20)
+def test_a_stop_signal_pending_across_the_exec_stops_the_new_start(tmp_path):
+    """What the exec of a reload hands over: SIGTERM blocked and pending. forkq start takes
+    it once its handlers are in place and ends as a stop during the import does (exit 0),
+    not after importing and running the app."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import forkq_command
+    (tmp_path / "slow_app.py").write_text("raise SystemExit('the app was imported')\n")
+    cmd = forkq_command("start", "--require", "slow_app.py", "--processes", "1")
+    code = ("import os, signal, sys\n"
+            "signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT))\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            f"os.execv(sys.executable, {cmd!r})\n")
+    env = dict(os.environ, FORKQ_REDIS_URL="redis://127.0.0.1:1/0")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, timeout=15,
+                          capture_output=True, text=True)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "stop requested while starting" in out and "the app was imported" not in out
