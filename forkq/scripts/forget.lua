@@ -75,15 +75,15 @@ local function near_remove()
       local where = at_rows[m] or {}
       for _, q in ipairs(wanted[m]) do
         local near, best = 1, math.abs((where[1] or 0) - expected(q) - guess)
+        for k = 2, #where do
+          local d = math.abs(where[k] - expected(q) - guess)
+          if d <= best then  -- a tie: the later one (pushes move entries on, not back)
+            near, best = k, d
+          end
+        end
         if #where == 0 or exact and best > 0 then
           left[#left + 1] = q
         else
-          for k = 2, #where do
-            local d = math.abs(where[k] - expected(q) - guess)
-            if d <= best then  -- a tie: the later one (pushes move entries on, not back)
-              near, best = k, d
-            end
-          end
           local index = table.remove(where, near)
           -- negative past the middle: a Redis before 7 seeks a positive index from the head
           redis.call('LSET', key, index < len / 2 and index or index - len, tomb)
