@@ -649,12 +649,7 @@ def end_within(grace: float, code: int) -> int:
         logs.get("forkq").warning(
             "the exit is still waiting for threads or processes the app left running; "
             "ending without them", waited_s=grace, threads=left or None)
-        logs.flush()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        logs.flush_all()
         os._exit(code)
 
     threading.Thread(target=cut_short, name="forkq-exit", daemon=True).start()

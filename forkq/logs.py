@@ -229,6 +229,17 @@ def flush() -> None:
         _lines.flush()
 
 
+def flush_all() -> None:
+    """Buffered lines, then stdout and stderr: before os._exit or an exec, which write out
+    nothing of what this process still holds. A stream that is gone is let be."""
+    flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def configure(level: str = "info", fmt: str | None = None, slot: int | None = None,
               stream: Any = None, buffered: bool = False) -> None:
     """(Re)configure logging for this process; call again in a child after fork.

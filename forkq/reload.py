@@ -235,12 +235,7 @@ def reexec(stop_pending: Callable[[], bool] | None = None) -> None:
     so both are blocked from the look on: the exec keeps them blocked and pending, and
     cli.start unblocks them once its handlers are in place."""
     environ, cwd = _started if _started else (dict(os.environ), os.getcwd())
-    logs.flush()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    logs.flush_all()
     # orig_argv: the interpreter's own command line (`python -m forkq ...`, the `forkq`
     # script, `python -c ...`), with any -X or -W options
     argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
