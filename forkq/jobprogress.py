@@ -60,7 +60,10 @@ def progress(done: float, total: float | None = None, note: str | None = None) -
         if note.__class__ is not str:
             if not isinstance(note, str):
                 raise TypeError(f"forkq.progress: note must be a str or None, not {type(note).__name__}")
-            note = str(note)  # a subclass: stored as the plain str JSON writes
+            # a subclass, as the plain str JSON writes: str.__str__, not str(), which
+            # calls the subclass's own __str__ (it may return the subclass, whose encode()
+            # or __len__ the heartbeat would then call, and a raise there stops the beat)
+            note = str.__str__(note)
         if len(note) > NOTE_LIMIT:
             note = note[:NOTE_LIMIT]
     owner = current[4]

@@ -1,0 +1,164 @@
+"""Review of the seams between job progress, cancellation, chains and older features.
+
+In-process against the shared redis-server: a real Manager (its processor threads) and a
+Launcher beating every 0.1 s, as in test_cancel_worker; the operator's side goes through
+forkq.api.cancel / locate as `forkq cancel` and `forkq job` do."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import redis
+
+import forkq
+from forkq import aio, api, hooks, jobprogress, keys, logs
+from forkq.launcher import Launcher, _work_entry
+from forkq.manager import Manager
+from forkq.queues import QueueOrder
+from forkq.timelimit import WATCHDOG
+from helpers import wait_until
+
+QUEUE = "seamq"
+IDENTITY = "test:1:seams000000a"
+BEAT_S = 0.1
+
+started: dict[str, threading.Event] = {}
+ran: list[str] = []
+release = threading.Event()
+spun_once: set[str] = set()
+
+
+def _mark(tag: str) -> None:
+    started.setdefault(tag, threading.Event()).set()
+
+
+def wait_started(tag: str, timeout: float = 5.0) -> None:
+    assert started.setdefault(tag, threading.Event()).wait(timeout), f"{tag} never started"
+
+
+@forkq.job(queue=QUEUE, name="seam.spin_once", retry=5)
+def spin_once(tag: str) -> str:
+    """Spins (until cancelled) the first time it runs for a tag; returns at once after."""
+    ran.append(f"spin {tag}")
+    if tag not in spun_once:
+        spun_once.add(tag)
+        _mark(tag)
+        end = time.monotonic() + 20
+        while time.monotonic() < end and not release.is_set():
+            pass
+    return tag
+
+
+@forkq.job(queue=QUEUE, name="seam.record")
+def record(tag: str) -> None:
+    ran.append(f"record {tag}")
+
+
+@pytest.fixture
+def running(redis_url, r, monkeypatch):
+    """start(concurrency) -> (manager, launcher): started, beating every BEAT_S seconds."""
+    started.clear()
+    ran.clear()
+    release.clear()
+    spun_once.clear()
+    monkeypatch.setattr(WATCHDOG, "on_fire", lambda: None)
+    monkeypatch.setattr(WATCHDOG, "grace", 0.5)
+    monkeypatch.setattr(hooks, "SERVER_MIDDLEWARE", [])
+    forkq.configure(redis_url)
+    made: list[tuple[Manager, Launcher]] = []
+
+    def start(concurrency: int = 1) -> tuple[Manager, Launcher]:
+        manager = Manager(lambda: redis.Redis.from_url(redis_url), IDENTITY,
+                          QueueOrder([(QUEUE, 0)]), concurrency=concurrency, block_timeout=0.5)
+        launcher = Launcher(manager.redis, IDENTITY, manager, {"queues": [QUEUE], "forkq_cancel": True},
+                            on_signal=lambda signum: None, interval=BEAT_S)
+        manager.start()
+        launcher.start()
+        made.append((manager, launcher))
+        return manager, launcher
+
+    try:
+        yield start
+    finally:
+        release.set()
+        for manager, launcher in made:
+            launcher.stop()
+            manager.stop(time.monotonic() + 5)
+            manager.fetch.close()
+        aio.shutdown()
+        forkq.client._default = None
+
+
+def dead(r) -> list[dict]:
+    return [json.loads(m) for m in r.zrange("dead", 0, -1)]
+
+
+@pytest.mark.timeout(20)
+def test_a_running_chain_step_cancelled_keeps_the_rest_and_a_retry_from_dead_goes_on(running, r):
+    """Cancelled as it runs, a chain's step goes to dead with the steps after it in its
+    entry; retried from there, it runs and the chain goes on."""
+    running()
+    jids = forkq.chain(spin_once.call("a"), record.call("b")).enqueue()
+    wait_started("a")
+    out = api.cancel(r, jids[0], reason="stop", wait=5, poll=0.02)
+    assert out.state == "cancelled", out
+    (entry,) = dead(r)
+    assert entry["jid"] == jids[0] and entry["error_class"] == "forkq.JobCancelled"
+    assert [s["jid"] for s in entry["forkq_chain"]] == [jids[1]]
+    assert not r.hexists(keys.CANCEL, jids[0])
+    dead_set = api.SortedSet(r, "dead")
+    assert dead_set.retry_now([dead_set.find(jids[0])]) == 1
+    wait_until(lambda: "record b" in ran, timeout=5, message="the chain's next step")
+    assert ran == ["spin a", "spin a", "record b"]
+
+
+@pytest.mark.timeout(20)
+def test_a_queued_chain_step_cancelled_keeps_the_rest_and_a_retry_from_dead_goes_on(running, r):
+    """Cancelled while it waits, a chain's step goes to dead whole (forkq_chain in its
+    entry); retried from dead, the chain goes on."""
+    jids = forkq.chain(spin_once.call("q"), record.call("w")).enqueue()
+    spun_once.add("q")  # it will not spin when it runs
+    out = api.cancel(r, jids[0], wait=1)
+    assert out.state == "removed", out
+    (entry,) = dead(r)
+    assert [s["jid"] for s in entry["forkq_chain"]] == [jids[1]]
+    running()
+    dead_set = api.SortedSet(r, "dead")
+    assert dead_set.retry_now([dead_set.find(jids[0])]) == 1
+    wait_until(lambda: "record w" in ran, timeout=5, message="the chain's next step")
+
+
+class _Sly(str):
+    """A str subclass whose methods lie: its own __str__ returns itself, its length is
+    small, and encoding it raises (as the heartbeat's entry() encodes a note)."""
+
+    def __str__(self) -> str:
+        return self
+
+    def __len__(self) -> int:
+        return 3
+
+    def encode(self, *args, **kwargs):  # type: ignore[override]
+        raise RuntimeError("encode() of a str subclass")
+
+
+class _Owner:
+    progress = None
+
+
+def test_a_str_subclass_note_is_kept_as_a_plain_cut_str_so_the_beat_can_write_it():
+    """A note of a str subclass is stored as a plain str, cut at 200 characters: the
+    heartbeat's entry for it is written, never raising from the subclass's methods."""
+    owner = _Owner()
+    logs.set_job("j1", "X", QUEUE, {}, owner)
+    try:
+        jobprogress.progress(1, 2, _Sly("n" * 500))
+    finally:
+        logs.clear_job()
+    note = owner.progress[3]
+    assert type(note) is str and note == "n" * jobprogress.NOTE_LIMIT
+    entry = json.loads(_work_entry((QUEUE, b"{}", 1.0, "j1", "t"), owner.progress))
+    assert entry[jobprogress.FIELD]["note"] == "n" * jobprogress.NOTE_LIMIT
