@@ -64,6 +64,7 @@ class Location:
     jid: str
     queue: str | None = None
     position: int | None = None  # queued / suspect: 0 runs next
+    paused: bool | None = None  # queued / suspect: whether its queue is paused (forkq pause)
     at: float | None = None  # scheduled / retry: due; running: since; dead: when it died
     retry_count: int | None = None
     error: str | None = None  # retry / dead: "Class: message"
@@ -79,10 +80,12 @@ class Location:
     def describe(self) -> str:
         """One line for people."""
         s = self.state
+        # a paused queue's position 0 does not run next: nothing runs until it is resumed
+        held = " (paused: nothing runs from it until it is resumed)" if self.paused else ""
         if s == "queued":
-            return f"waiting on queue {self.queue}, position {self.position} (0 runs next)"
+            return f"waiting on queue {self.queue}{held}, position {self.position} (0 runs next)"
         if s == "suspect":
-            return f"a crash suspect of queue {self.queue}, position {self.position} (0 runs next)"
+            return f"a crash suspect of queue {self.queue}{held}, position {self.position} (0 runs next)"
         if s == "scheduled":
             return f"scheduled for {_utc(self.at)}"
         if s == "retry":
@@ -220,8 +223,9 @@ def _in_queues(conn: redis.Redis, jid: str) -> Location | None:
     pipe = conn.pipeline(transaction=False)
     pipe.smembers(keys.QUEUES)
     pipe.hkeys(keys.PAUSED)
-    listed, paused = pipe.execute()
-    for name in sorted({_text(n) for n in listed} | {_text(n) for n in paused}):
+    listed, held = pipe.execute()
+    paused = {_text(n) for n in held}
+    for name in sorted({_text(n) for n in listed} | paused):
         # suspects first: a worker takes them before the queue
         for key, state in ((keys.suspects(name), "suspect"), (keys.queue(name), "queued")):
             try:
@@ -233,7 +237,7 @@ def _in_queues(conn: redis.Redis, jid: str) -> Location | None:
             if hit is not None:
                 index, length, raw = hit
                 job = _parse(raw)
-                return Location(state, jid, name, position=length - 1 - index,
+                return Location(state, jid, name, position=length - 1 - index, paused=name in paused,
                                 retry_count=_int(job, "retry_count"), error=_error(job),
                                 job=job, raw=raw)
     return None

@@ -162,3 +162,104 @@ def test_a_str_subclass_note_is_kept_as_a_plain_cut_str_so_the_beat_can_write_it
     assert type(note) is str and note == "n" * jobprogress.NOTE_LIMIT
     entry = json.loads(_work_entry((QUEUE, b"{}", 1.0, "j1", "t"), owner.progress))
     assert entry[jobprogress.FIELD]["note"] == "n" * jobprogress.NOTE_LIMIT
+
+
+leftover: list[str] = []
+go_on = threading.Event()
+
+
+@forkq.job(queue=QUEUE, name="seam.async_reporter")
+async def async_reporter(tag: str, done: int, leave_task: bool) -> None:
+    """Reports `done` of 100 with its tag as note; with leave_task, starts a task that
+    outlives it and keeps reporting; then waits for go_on."""
+    import asyncio
+
+    async def behind() -> None:
+        while True:
+            try:
+                forkq.progress(99, 100, "left behind")
+                leftover.append("recorded")
+            except RuntimeError:
+                leftover.append("refused")
+                return
+            await asyncio.sleep(0.02)
+
+    forkq.progress(done, 100, tag)
+    if leave_task:
+        asyncio.get_running_loop().create_task(behind())
+    while not go_on.is_set():
+        await asyncio.sleep(0.01)
+    if leave_task:
+        return
+    while not release.is_set():
+        await asyncio.sleep(0.01)
+
+
+def _shown(r) -> dict[str, dict]:
+    out = {}
+    for raw in r.hvals(keys.workers(IDENTITY)):
+        entry = json.loads(raw)
+        out[json.loads(entry["payload"])["jid"]] = entry.get(jobprogress.FIELD)
+    return out
+
+
+@pytest.mark.timeout(20)
+def test_async_jobs_sharing_the_loop_each_show_their_own_progress_and_a_left_task_none(running, r):
+    """Two async jobs on the one loop thread: each work entry shows its own job's progress;
+    a task one of them left running reports nothing once that job ended (RuntimeError),
+    and the other job's entry never shows the task's value."""
+    leftover.clear()
+    go_on.clear()
+    running(concurrency=2)
+    a = async_reporter.enqueue("a", 10, True)
+    b = async_reporter.enqueue("b", 20, False)
+    shown = wait_until(lambda: (s := _shown(r)) and all(s.get(j) for j in (a, b)) and s,
+                       timeout=5, message="both jobs' progress")
+    assert (shown[a]["done"], shown[a]["note"]) == (99, "left behind")  # the task, while a runs
+    assert (shown[b]["done"], shown[b]["note"]) == (20, "b")
+    go_on.set()
+    wait_until(lambda: "refused" in leftover, timeout=5, message="the left task refused")
+    wait_until(lambda: list(_shown(r)) == [b], timeout=5, message="a's entry gone")
+    time.sleep(3 * BEAT_S)
+    assert _shown(r)[b]["note"] == "b"
+
+
+@forkq.job(queue=QUEUE, name="seam.kept_spin", keep_result=60)
+def kept_spin(tag: str) -> str:
+    _mark(tag)
+    while not release.is_set():
+        pass
+    return tag
+
+
+@pytest.mark.timeout(20)
+def test_a_cancelled_keep_result_chain_step_fails_its_waiter_and_the_next_waits(running, r):
+    """A keep_result step cancelled as it runs: its reader gets JobFailed (JobCancelled)
+    at once; the next step, never pushed, has no result."""
+    running()
+    jids = forkq.chain(kept_spin.call("k"), record.call("after")).enqueue()
+    wait_started("k")
+    assert api.cancel(r, jids[0], wait=5, poll=0.02).state == "cancelled"
+    with pytest.raises(forkq.JobFailed, match="JobCancelled"):
+        forkq.result(jids[0]).get(timeout=1)
+    assert api.locate(r, jids[1]).state == "not_found"
+    assert "record after" not in ran
+
+
+def test_forkq_job_on_a_paused_queue_says_it_is_paused_not_that_it_runs_next(redis_url, r, capsys):
+    """A job waiting on a paused queue is not "0 runs next": locate and `forkq job` say the
+    queue is paused; once resumed, the line is as before."""
+    from forkq import cli, pause
+    c = forkq.Client(redis_url)
+    jid = c.push("seam.record", ["p"], queue="held")
+    pause.pause(r, "held", reason="maintenance")
+    where = api.locate(r, jid)
+    assert where.state == "queued" and where.paused is True and where.to_dict()["paused"] is True
+    assert cli.main(["job", jid]) == 0
+    assert capsys.readouterr().out.strip() == (
+        f"{jid}: waiting on queue held (paused: nothing runs from it until it is resumed), "
+        "position 0 (0 runs next)")
+    pause.resume(r, "held")
+    where = api.locate(r, jid)
+    assert where.paused is False
+    assert where.describe() == "waiting on queue held, position 0 (0 runs next)"
