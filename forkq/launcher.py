@@ -49,6 +49,20 @@ def _work_entry(cur: tuple[str, bytes, float, Any, str], progress: Any) -> bytes
     return json.dumps(entry).encode()
 
 
+def _sendable(jid: str) -> bool:
+    """Whether redis-py can send this jid: a payload's "\\udc80" (valid JSON) parses to a
+    lone surrogate that UTF-8 cannot carry, and its refusal to encode one argument fails
+    the whole beat's MULTI. Such a job cannot be asked to cancel anyway: no request can
+    name it."""
+    if jid.isascii():
+        return True
+    try:
+        jid.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class Launcher:
     def __init__(self, client: redis.Redis, identity: str, manager: Manager, info: dict[str, Any],
                  on_signal: Callable[[int], None], interval: float = 5.0) -> None:
@@ -200,7 +214,7 @@ class Launcher:
             "forkq_paused": json.dumps(sorted(reported))})
         pipe.expire(self.identity, keys.HEARTBEAT_TTL_S)
         # the running jobs' cancel requests, by the jid kept beside each payload (none parsed)
-        asked = [(idx, cur) for idx, cur in running if type(cur[3]) is str]
+        asked = [(idx, cur) for idx, cur in running if type(cur[3]) is str and _sendable(cur[3])]
         if asked:
             pipe.hmget(keys.CANCEL, [cur[3] for _, cur in asked])
         suspects = self.manager.fetch.suspect_keys

@@ -263,3 +263,25 @@ def test_forkq_job_on_a_paused_queue_says_it_is_paused_not_that_it_runs_next(red
     where = api.locate(r, jid)
     assert where.paused is False
     assert where.describe() == "waiting on queue held, position 0 (0 runs next)"
+
+
+@pytest.mark.timeout(20)
+def test_a_running_job_whose_jid_utf8_cannot_carry_does_not_stop_the_heartbeat(running, r):
+    """A payload's jid of a lone surrogate escape ("\\udc80", valid JSON another client may
+    write) runs as any job; while it runs, its process keeps beating (its running jobs
+    shown) and a cancel of its other job is acted on. The beat's HMGET of forkq:cancel
+    carried that jid, and redis-py's refusal to encode it failed every beat: the process
+    looked dead, read no cancel and no signal."""
+    running(concurrency=2)
+    raw = ('{"class":"seam.spin_once","args":["odd"],"jid":"odd\\udc80","queue":"%s","retry":true}'
+           % QUEUE)
+    r.sadd(keys.QUEUES, QUEUE)
+    r.lpush(keys.queue(QUEUE), raw)
+    wait_started("odd")
+    jid = spin_once.enqueue("other")
+    wait_started("other")
+    beats = set()
+    wait_until(lambda: beats.add(r.hget(IDENTITY, "beat")) or len(beats) >= 3, timeout=3,
+               message="the process beating on")
+    assert len(r.hvals(keys.workers(IDENTITY))) == 2
+    assert api.cancel(r, jid, wait=3, poll=0.02).state == "cancelled"
