@@ -276,7 +276,10 @@ def after_success(job: dict[str, Any], lock: tuple[str, str] | None) -> tuple[st
     release) if any. Only called for a payload with a "bid"; one that is no str (another
     client's) is ignored."""
     bid, jid = job["bid"], job.get("jid")
-    if type(bid) is not str or not bid or type(jid) is not str:
+    # a bid or jid redis-py cannot send (another client's "\\udc80") names no batch's job,
+    # and its count, batched with the next claim, would fail every claim after it
+    if type(bid) is not str or not bid or type(jid) is not str \
+            or not (payload.sendable(bid) and payload.sendable(jid)):
         return lock
     mine = (PREFIX + bid, jid)
     return mine if lock is None else mine + lock

@@ -23,6 +23,7 @@ import psutil
 import redis
 
 from . import jobprogress, keys, logs, scripts
+from .payload import sendable
 from .fetch import UNREADABLE_PAUSES, raise_first, read_paused, refusal, writes_refused
 from .manager import REDIS_ERRORS, Manager
 from .retry import cancel_request
@@ -47,20 +48,6 @@ def _work_entry(cur: tuple[str, bytes, float, Any, str], progress: Any) -> bytes
     if progress is not None and progress[0] == jid:
         entry[jobprogress.FIELD] = jobprogress.entry(progress)
     return json.dumps(entry).encode()
-
-
-def _sendable(jid: str) -> bool:
-    """Whether redis-py can send this jid: a payload's "\\udc80" (valid JSON) parses to a
-    lone surrogate that UTF-8 cannot carry, and its refusal to encode one argument fails
-    the whole beat's MULTI. Such a job cannot be asked to cancel anyway: no request can
-    name it."""
-    if jid.isascii():
-        return True
-    try:
-        jid.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class Launcher:
@@ -213,8 +200,9 @@ class Launcher:
             # the paused queues this process claims nothing from (pause.wait_honoured)
             "forkq_paused": json.dumps(sorted(reported))})
         pipe.expire(self.identity, keys.HEARTBEAT_TTL_S)
-        # the running jobs' cancel requests, by the jid kept beside each payload (none parsed)
-        asked = [(idx, cur) for idx, cur in running if type(cur[3]) is str and _sendable(cur[3])]
+        # the running jobs' cancel requests, by the jid kept beside each payload (none parsed);
+        # a jid redis-py cannot send would fail the whole beat, and no request can name it
+        asked = [(idx, cur) for idx, cur in running if type(cur[3]) is str and sendable(cur[3])]
         if asked:
             pipe.hmget(keys.CANCEL, [cur[3] for _, cur in asked])
         suspects = self.manager.fetch.suspect_keys

@@ -44,6 +44,19 @@ def _decode(raw: bytes | str) -> Any:
     return json.loads(raw)
 
 
+def sendable(text: str) -> bool:
+    """Whether redis-py can send this str: JSON's "\\udc80" parses to a lone surrogate
+    that UTF-8 cannot carry, and one such argument fails the whole call or pipeline it
+    rides in (a heartbeat, a claim with the acks batched on it)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def new_jid() -> str:
     # 12 random bytes as Sidekiq does; `random` is reseeded in forked children by CPython,
     # and a jid is an identifier, not a secret, so the cheap generator is the right one.

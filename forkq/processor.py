@@ -245,7 +245,9 @@ class Processor:
         """A unique job's (lock key, jid), worked out before the job runs (it may change
         its args); None once released here, for `unique_until: "start"`."""
         key, jid = unique.lock_of(job), job.get("jid")
-        if key is None or type(jid) is not str:
+        # a jid redis-py cannot send (another client's "\\udc80") holds no lock, and its
+        # release, batched with the next claim, would fail every claim after it
+        if key is None or type(jid) is not str or not payload.sendable(jid):
             return None
         if job.get("unique_until") != "start":
             return key, jid
@@ -260,7 +262,7 @@ class Processor:
         keep = results.target(job)
         if keep is None:
             log.warning("keep_result is not a number of seconds above 0 (or the payload has no "
-                        "jid): no result is kept", jid=job.get("jid"),
+                        "jid UTF-8 can carry): no result is kept", jid=job.get("jid"),
                         keep_result=repr(job.get("keep_result"))[:100])
         return keep
 

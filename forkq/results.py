@@ -52,6 +52,8 @@ def target(job: dict[str, Any]) -> tuple[str, int] | None:
     seconds, jid = job.get("keep_result"), job.get("jid")
     if type(seconds) not in (int, float) or not 0 < seconds <= MAX_S or type(jid) is not str or not jid:
         return None
+    if not payload.sendable(jid):  # another client's "\\udc80": no key can be named by it
+        return None
     return jid, max(1, math.ceil(seconds * 1000))
 
 

@@ -285,3 +285,23 @@ def test_a_running_job_whose_jid_utf8_cannot_carry_does_not_stop_the_heartbeat(r
                message="the process beating on")
     assert len(r.hvals(keys.workers(IDENTITY))) == 2
     assert api.cancel(r, jid, wait=3, poll=0.02).state == "cancelled"
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("extra", ['"bid":"seam-bid"', '"unique_for":600', '"keep_result":60'])
+def test_a_batch_unique_or_kept_job_whose_jid_utf8_cannot_carry_is_acked_and_fetching_goes_on(
+        running, r, extra):
+    """A batch or unique job whose payload's jid is a lone surrogate escape: its
+    after-success actions (the batch count, the lock's release) ride with the next claim;
+    unencodable, they failed every claim after it, and the process ran nothing more. A
+    keep_result one could not write its result and stayed in flight, to run again."""
+    running()
+    raw = ('{"class":"seam.record","args":["odd"],"jid":"odd\\udc80","queue":"%s",%s}'
+           % (QUEUE, extra))
+    r.sadd(keys.QUEUES, QUEUE)
+    r.lpush(keys.queue(QUEUE), raw)
+    wait_until(lambda: "record odd" in ran, timeout=5, message="the odd job ran")
+    record.enqueue("next")
+    wait_until(lambda: "record next" in ran, timeout=5, message="the next job ran")
+    wait_until(lambda: r.hlen(keys.inflight(IDENTITY)) == 0, timeout=5,
+               message="both acknowledged")
