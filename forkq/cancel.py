@@ -49,6 +49,8 @@ def check_jid(jid: Any) -> str:
         raise TypeError(f"a jid must be a str, not {type(jid).__name__}")
     if not jid or len(jid) > 1000 or any(c in jid for c in "\n\r\"\\"):
         raise ValueError(f"not a jid: {jid[:100]!r}")
+    if not payload.sendable(jid):  # else redis-py's own UnicodeEncodeError, mid-search
+        raise ValueError(f"not a jid: {jid[:100]!r} holds text UTF-8 cannot carry")
     return jid
 
 

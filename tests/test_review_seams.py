@@ -305,3 +305,12 @@ def test_a_batch_unique_or_kept_job_whose_jid_utf8_cannot_carry_is_acked_and_fet
     wait_until(lambda: "record next" in ran, timeout=5, message="the next job ran")
     wait_until(lambda: r.hlen(keys.inflight(IDENTITY)) == 0, timeout=5,
                message="both acknowledged")
+
+
+def test_a_jid_utf8_cannot_carry_is_refused_by_locate_and_cancel_with_a_clear_error(r):
+    """api.locate / api.cancel given a jid with a lone surrogate: a ValueError saying so,
+    not redis-py's UnicodeEncodeError from inside the search; nothing written."""
+    for call in (lambda: api.locate(r, "ab\udc80"), lambda: api.cancel(r, "ab\udc80", wait=0)):
+        with pytest.raises(ValueError, match="UTF-8 cannot carry"):
+            call()
+    assert not r.exists(keys.CANCEL)
