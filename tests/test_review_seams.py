@@ -314,3 +314,21 @@ def test_a_jid_utf8_cannot_carry_is_refused_by_locate_and_cancel_with_a_clear_er
         with pytest.raises(ValueError, match="UTF-8 cannot carry"):
             call()
     assert not r.exists(keys.CANCEL)
+
+
+@pytest.mark.timeout(20)
+def test_a_cancelled_batch_job_fires_on_complete_and_a_retry_from_dead_then_fires_on_success(running, r):
+    """The only job of a batch, cancelled as it runs: on_complete is pushed and runs;
+    retried from dead, it succeeds and on_success runs too (a cancel is a failure the
+    batch counts, not one that ends it for good)."""
+    running()
+    with forkq.Batch().on_complete(record, "complete").on_success(record, "success") as batch:
+        jid = spin_once.enqueue("bat")
+    wait_started("bat")
+    assert api.cancel(r, jid, wait=5, poll=0.02).state == "cancelled"
+    wait_until(lambda: "record complete" in ran, timeout=5, message="on_complete ran")
+    assert "record success" not in ran and batch.status().failures[jid]["fate"] == "dead"
+    dead_set = api.SortedSet(r, "dead")
+    assert dead_set.retry_now([dead_set.find(jid)]) == 1
+    wait_until(lambda: "record success" in ran, timeout=5, message="on_success ran")
+    assert ran.count("record complete") == 1
