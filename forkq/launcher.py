@@ -23,9 +23,9 @@ import psutil
 import redis
 
 from . import jobprogress, keys, logs, scripts
-from .payload import sendable
 from .fetch import UNREADABLE_PAUSES, raise_first, read_paused, refusal, writes_refused
 from .manager import REDIS_ERRORS, Manager
+from .payload import sendable
 from .retry import cancel_request
 
 log = logs.get("forkq.launcher")
