@@ -398,9 +398,13 @@ def cancel_many(conn: redis.Redis, jids: list[str], reason: str | None = None, b
                              f"{value[exc.start:exc.end]!r} at {exc.start})") from None
     if not wait >= 0:
         raise ValueError(f"wait must be 0 or more seconds, not {wait!r}")
-    texts = [cancel_message(request(conn, jid, reason, by)[1]) for jid in jids]
+    # a jid given twice is one job, cancelled once: its second search would find it in dead
+    # with no request left and say a worker stopped it, though it was removed while waiting
+    distinct = list(dict.fromkeys(jids))
+    texts = [cancel_message(request(conn, jid, reason, by)[1]) for jid in distinct]
     deadline = time.monotonic() + wait
-    return [_Canceller(conn, jid, text, deadline, poll).run() for jid, text in zip(jids, texts)]
+    done = {jid: _Canceller(conn, jid, text, deadline, poll).run() for jid, text in zip(distinct, texts)}
+    return [done[jid] for jid in jids]
 
 
 class _Canceller:

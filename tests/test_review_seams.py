@@ -332,3 +332,13 @@ def test_a_cancelled_batch_job_fires_on_complete_and_a_retry_from_dead_then_fire
     assert dead_set.retry_now([dead_set.find(jid)]) == 1
     wait_until(lambda: "record success" in ran, timeout=5, message="on_success ran")
     assert ran.count("record complete") == 1
+
+
+def test_a_jid_given_twice_to_cancel_many_is_one_job_removed_once(redis_url, r):
+    """cancel_many([J, J]) of a waiting job: both answers say it was removed; the second
+    search no longer found it in dead and claimed a worker had stopped it."""
+    c = forkq.Client(redis_url)
+    jid = c.push("seam.record", ["twice"], queue=QUEUE)
+    first, second = api.cancel_many(r, [jid, jid], wait=1)
+    assert first.state == second.state == "removed" and first is second
+    assert len(dead(r)) == 1
