@@ -48,16 +48,18 @@ def progress(done: float, total: float | None = None, note: str | None = None) -
     current = getattr(_job, "current", None) or (_TASK_JOB.get() or _NO_TASK)[0]
     if current is None:
         raise RuntimeError(OUTSIDE)
-    # the common case first: plain ints and floats, checked without an ABC lookup
-    kind = done.__class__
+    # the common case first: plain ints and floats, checked without an ABC lookup. type(),
+    # not .__class__, which an object may fake (a Mock(spec=int) does): the heartbeat's
+    # json.dumps would then meet it, and a raise there stops the whole beat
+    kind = type(done)
     if not ((kind is int and 0 <= done < _BIG) or (kind is float and 0 <= done < _INF)):
         done = _number("done", done)
     if total is not None:
-        kind = total.__class__
+        kind = type(total)
         if not ((kind is int and 0 <= total < _BIG) or (kind is float and 0 <= total < _INF)):
             total = _number("total", total)
     if note is not None:
-        if note.__class__ is not str:
+        if type(note) is not str:
             if not isinstance(note, str):
                 raise TypeError(f"forkq.progress: note must be a str or None, not {type(note).__name__}")
             # a subclass, as the plain str JSON writes: str.__str__, not str(), which

@@ -342,3 +342,23 @@ def test_a_jid_given_twice_to_cancel_many_is_one_job_removed_once(redis_url, r):
     first, second = api.cancel_many(r, [jid, jid], wait=1)
     assert first.state == second.state == "removed" and first is second
     assert len(dead(r)) == 1
+
+
+def test_a_number_that_fakes_its_class_is_stored_as_a_plain_one_so_the_beat_can_write_it():
+    """A MagicMock(spec=int) says its __class__ is int; with comparisons that pass, the
+    fast path stored the mock itself, and the heartbeat's json.dumps raised on it. What
+    is stored is a plain int or float, whatever the argument claims to be."""
+    from unittest import mock
+    fake = mock.MagicMock(spec=int)
+    for op in ("__ge__", "__le__", "__lt__", "__gt__"):
+        getattr(fake, op).return_value = True
+    fake.__int__.return_value = 7
+    owner = _Owner()
+    logs.set_job("j2", "X", QUEUE, {}, owner)
+    try:
+        jobprogress.progress(fake, fake)
+    finally:
+        logs.clear_job()
+    assert type(owner.progress[1]) is int and type(owner.progress[2]) is int
+    entry = json.loads(_work_entry((QUEUE, b"{}", 1.0, "j2", "t"), owner.progress))
+    assert entry[jobprogress.FIELD]["done"] == 7
