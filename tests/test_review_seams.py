@@ -362,3 +362,13 @@ def test_a_number_that_fakes_its_class_is_stored_as_a_plain_one_so_the_beat_can_
     assert type(owner.progress[1]) is int and type(owner.progress[2]) is int
     entry = json.loads(_work_entry((QUEUE, b"{}", 1.0, "j2", "t"), owner.progress))
     assert entry[jobprogress.FIELD]["done"] == 7
+
+
+def test_a_progress_the_beat_cannot_write_leaves_the_entry_without_it():
+    """Whatever slipped into a Processor's progress (set by hand here: forkq.progress()
+    stores only plain values), the work entry is written, without the progress."""
+    cur = (QUEUE, b'{"jid":"j3"}', 1.0, "j3", "t")
+    for bad in [("j3", object(), None, None, 1.0), ("j3", 1, 2, b"bytes note", 1.0), ("j3",)]:
+        entry = json.loads(_work_entry(cur, bad))
+        assert entry == {"queue": QUEUE, "payload": '{"jid":"j3"}', "run_at": 1}
+    assert json.loads(_work_entry(cur, ("j3", 1, 2, "n", 1.0)))[jobprogress.FIELD]["note"] == "n"
