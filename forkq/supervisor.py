@@ -64,8 +64,9 @@ class Child:
     totals: tuple[int, int] | None = None  # jobs processed and failed, as last pinged
     ready: bool = False                    # has reported since its worker started
     stopping_since: float | None = None   # told to stop (recycle) at this monotonic time
-    reason: str = ""                       # why the master ended it: memory, hang, restart, time_limit
-    stuck: bool = False                    # a job of it ran past its time limit: replace it
+    reason: str = ""                       # why the master ended it: memory, hang, restart, time_limit, cancel
+    # a job of it was interrupted: replace it, with this reason (time_limit, cancel)
+    stuck: str | None = None
     fatal: str = ""                        # the error it reported just before dying
     finished: list[After] = field(default_factory=list)  # acks of jobs it finished, with actions
     buffer: bytes = b""
@@ -347,8 +348,10 @@ class Supervisor:
                 if self.state == "running":
                     log.info("quiet requested through Redis", slot=child.slot, child_pid=child.pid)
                     self.handle_quiet()
-            elif line == b"L":
-                child.stuck = True  # replaced by recycle_children, one recycle at a time
+            elif line in (b"L", b"C"):
+                # replaced by recycle_children, one recycle at a time; a limit's reason wins
+                if child.stuck != "time_limit":
+                    child.stuck = "time_limit" if line == b"L" else "cancel"
             elif line == b"T":
                 log.info("stop requested through Redis", slot=child.slot, child_pid=child.pid)
                 self.handle_stop(signal.SIGTERM)
@@ -381,7 +384,7 @@ class Supervisor:
         os.close(child.report_r)
         code = os.waitstatus_to_exitcode(status)
         how = f"exit {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-        expected = self.state == "stopping" or child.reason in ("memory", "restart", "time_limit")
+        expected = self.state == "stopping" or child.reason in ("memory", "restart", "time_limit", "cancel")
         # a child only leaves on its own when told to: an exit 0 nobody asked for is a job
         # calling os._exit(0), and must count against the jobs it held like any crash
         crashed = code != 0 or not expected
@@ -697,8 +700,8 @@ class Supervisor:
                 log.warning("a job of this child was interrupted (past its time limit, or "
                             "cancelled); replacing the child, which interrupting the job may "
                             "have left with a lock held",
-                            slot=child.slot, child_pid=child.pid)
-                self.retire(child, "time_limit")
+                            slot=child.slot, child_pid=child.pid, reason=child.stuck)
+                self.retire(child, child.stuck)
                 return
         if limit is None:
             return

@@ -68,6 +68,8 @@ class Watchdog:
         # called (in the watchdog's thread) after limits fired: a child asks its master to
         # be replaced, as an interrupted job may have left a lock of its libraries held
         self.on_fire: Callable[[], None] | None = None
+        # the same after a cancel interrupted a job (Watchdog.cancel); on_fire if None
+        self.on_cancel: Callable[[], None] | None = None
         # called once a job is given up
         self.on_give_up: Callable[[], None] | None = None
         self._giving_up: list[threading.Thread] = []
@@ -155,8 +157,9 @@ class Watchdog:
             self._wakeups.put(None)
         # an exception landing at any bytecode may have left a lock held, as a limit's may;
         # an async job's task was cancelled at an await, where nothing is left half-done
-        if not handled and self.on_fire is not None:
-            self.on_fire()
+        then = self.on_cancel or self.on_fire
+        if not handled and then is not None:
+            then()
         return True
 
     def _start(self) -> None:

@@ -85,6 +85,7 @@ class Worker:
                                heartbeat_interval=s.heartbeat_interval)
         WATCHDOG.grace = s.time_limit_grace
         WATCHDOG.on_fire = self._interrupted
+        WATCHDOG.on_cancel = self._cancelled
         WATCHDOG.on_give_up = self._stuck_thread
         self.metrics = (DeltaReporter([p.table for p in self.manager.processors])  # type: ignore[attr-defined]
                         if metered else None)
@@ -115,17 +116,20 @@ class Worker:
         self._loop()
         return self._stop()
 
-    def _interrupted(self) -> None:
-        """A job's time limit fired, or a cancel interrupted a job: ask the master for a
-        fresh process (see timelimit)."""
+    def _interrupted(self, report: bytes = b"L\n") -> None:
+        """A job's time limit fired (L), or a cancel interrupted a job (C): ask the master
+        for a fresh process (see timelimit)."""
         if self.report_fd is None:
             log.warning("a job was interrupted (its time limit, or a cancel); a lock it held in a "
                         "library may stay held: restart this worker if its jobs hang")
             return
         try:
-            os.write(self.report_fd, b"L\n")
+            os.write(self.report_fd, report)
         except OSError:
             pass  # the master is gone: this child is stopping anyway
+
+    def _cancelled(self) -> None:
+        self._interrupted(b"C\n")
 
     def _stuck_thread(self) -> None:
         """A job was given up, its thread still in the call it is stuck in: only a new

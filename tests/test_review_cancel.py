@@ -207,6 +207,26 @@ def test_an_async_job_deaf_to_its_cancel_is_given_up_and_its_child_replaced(star
 
 
 
+@pytest.mark.timeout(40)
+def test_a_child_replaced_after_a_cancel_is_counted_as_cancel_not_time_limit(start_master, redis_url, r):
+    """The master replaces a child after a cancel interrupted one of its jobs, as after a
+    time limit, and says which it was (log, forkq_child_restarts_total)."""
+    m = start_master(processes=1, concurrency=2, app=APPS / "cancel_jobs.py",
+                     args=["--heartbeat-interval", "0.2", "--timeout", "1"])
+    (before,) = m.wait_slots().values()
+    jid = push(redis_url, "cancel.spin", "spin")
+    wait_event(r, m, "start", "spin")
+    r.hset(keys.CANCEL, jid, json.dumps({"at": time.time(), "by": "rev", "reason": "spin"}))
+    (entry,) = wait_until(lambda: dead(r), timeout=10, message=f"the job in dead\n{m.tail()}")
+    assert entry["jid"] == jid and entry["error_class"] == "forkq.JobCancelled"
+    wait_until(lambda: (s := m.slots()) and s.get(0) not in (None, before), timeout=15,
+               message=f"slot 0 replaced\n{m.tail()}")
+    exited = [line for line in m.tail().splitlines() if "child exited" in line]
+    assert exited and "cancel" in exited[-1] and "time_limit" not in exited[-1], exited
+    m.signal(signal.SIGTERM)
+    assert m.wait(20) == 0
+
+
 @pytest.mark.timeout(20)
 def test_a_reason_utf8_cannot_carry_is_refused_before_anything_is_written(redis_url, r):
     """api.cancel wrote the request, then failed moving the job with a UnicodeEncodeError

@@ -39,3 +39,13 @@ async def deaf_job(tag):
 @forkq.job(name="cancel.quick", retry=0)
 def quick_job(tag):
     record("done", tag)
+
+
+@forkq.job(name="cancel.spin", retry=0)
+def spin_job(tag):
+    """Python code for up to 30 s: a cancel interrupts it between bytecodes."""
+    record("start", tag)
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        sum(range(100))
+    record("done", tag)
