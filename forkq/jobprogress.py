@@ -69,7 +69,7 @@ def progress(done: float, total: float | None = None, note: str | None = None) -
         if len(note) > NOTE_LIMIT:
             note = note[:NOTE_LIMIT]
     owner = current[4]
-    if owner is not None:  # None under forkq.testing: nothing shows it
+    if owner is not None:  # None only for a set_job without one (an app's own use of it)
         # with the jid: the heartbeat shows it only beside the job that recorded it
         owner.progress = (current[0], done, total, note, _now())
 

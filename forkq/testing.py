@@ -37,6 +37,40 @@ from .processor import run_job
 from .retry import error_class, message
 
 _lock = threading.Lock()
+# jid -> the (done, total, note) its runs reported through forkq.progress(), while a mode
+# is on (None when none is): what a worker would show at its heartbeats, every report kept
+_reports: dict[Any, list[tuple[Any, Any, Any]]] | None = None
+
+
+class _Recorder:
+    """Stands where a worker's Processor does for forkq.progress(), which stores its
+    report on it (jobprogress.progress): here each one is kept, for progress()."""
+
+    __slots__ = ()
+
+    @property
+    def progress(self) -> None:
+        return None
+
+    @progress.setter
+    def progress(self, report: tuple[Any, Any, Any, Any, float]) -> None:
+        reports = _reports
+        if reports is not None:
+            with _lock:
+                reports.setdefault(report[0], []).append(report[1:4])
+
+
+_RECORDER = _Recorder()
+
+
+def progress(jid: str) -> list[tuple[Any, Any, Any]]:
+    """What the job `jid` reported through forkq.progress() while it ran under fake()'s
+    drain() or inline(): its (done, total, note) reports, oldest first ([] if none)."""
+    if _reports is None:
+        raise RuntimeError("forkq.testing.progress() reads what jobs reported under "
+                           "testing.fake() or testing.inline(): call it inside the mode")
+    with _lock:
+        return list(_reports.get(jid, ()))
 
 
 def _name(job: Job | str) -> str:
@@ -75,6 +109,10 @@ class FakeJobs:
     def calls(self, job: Job | str) -> list[tuple[list[Any], dict[str, Any]]]:
         """Each push of one job as (args, kwargs), the call a worker would make."""
         return [(j["args"], j.get("kwargs", {})) for j in self.of(job)]
+
+    def progress(self, jid: str) -> list[tuple[Any, Any, Any]]:
+        """The (done, total, note) reports of job `jid`'s runs (see testing.progress)."""
+        return progress(jid)
 
     def queue(self, name: str) -> list[dict[str, Any]]:
         return [j for j in self.jobs if j["queue"] == name]
@@ -119,7 +157,7 @@ def _run(job: dict[str, Any]) -> None:
         raise UnknownJob(f"no job named {entry['class']!r} is registered (is its module imported?)")
     # inline, a job's push runs the next job inside it: the outer one is current again after
     outer = getattr(logs._job, "current", None)
-    logs.set_job(entry.get("jid"), payload.display_name(entry), entry["queue"], entry)
+    logs.set_job(entry.get("jid"), payload.display_name(entry), entry["queue"], entry, _RECORDER)
     keep = None if entry.get("keep_result") is None else results.target(entry)
     try:
         value = run_job(jobdef.fn, entry, entry["queue"])
@@ -186,11 +224,14 @@ def inline() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _mode(push: client.TestPush) -> Iterator[None]:
-    previous, kept = client.test_push, results._memory
+    global _reports
+    previous, kept, reports = client.test_push, results._memory, _reports
     client.test_push = push
     results._memory = {} if kept is None else kept  # a mode inside another shares its results
+    _reports = {} if reports is None else reports  # and its progress reports
     try:
         yield
     finally:
         client.test_push = previous
         results._memory = kept
+        _reports = reports

@@ -258,6 +258,19 @@ def test_under_testing_fake_and_inline_a_reporting_job_runs(no_middleware):
     assert reported == ["reported 3", "reported 2"]
 
 
+def test_an_apps_tests_read_what_a_job_reported_under_fake_and_inline(no_middleware):
+    with testing.fake() as jobs:
+        jid = reporter.enqueue(3)
+        assert jobs.progress(jid) == []  # pushed, not run yet
+        jobs.drain()
+        assert jobs.progress(jid) == [(1, 3, "step"), (2, 3, "step"), (3, 3, "step")]
+    with testing.inline():
+        jid = reporter.enqueue(2)
+        assert testing.progress(jid) == [(1, 2, "step"), (2, 2, "step")]
+    with pytest.raises(RuntimeError, match="inside the mode"):
+        testing.progress(jid)
+
+
 def test_the_heartbeat_shows_a_progress_beside_the_job_that_recorded_it_only():
     cur = ("q", b'{"jid":"b"}', 1700000000.7, "b", "tok")
     assert "forkq_progress" not in json.loads(_work_entry(cur, ("a", 1, 2, None, 1.0)))
