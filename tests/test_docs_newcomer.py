@@ -131,3 +131,20 @@ def test_a_url_without_a_scheme_forkq_takes_names_all_of_them(url, tmp_path):
     assert out.returncode != 0 and out.stdout == ""
     assert out.stderr == (f"forkq: bad Redis URL {url!r}: a Redis URL starts with redis://, rediss://, "
                           "unix://, redis+sentinel://, rediss+sentinel:// (redis://localhost:6379/0, say)\n")
+
+
+@pytest.mark.timeout(10)
+def test_every_link_to_a_readme_section_names_one_of_its_headings():
+    """The contents list (and any other in-page link) must follow a heading's rename:
+    GitHub's anchors are the heading lowercased, punctuation other than - and _ dropped,
+    spaces made dashes."""
+    text = (REPO_ROOT / "README.md").read_text()
+    heads, fenced = set(), False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6} (.*)", line)):
+            heads.add(re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-"))
+    links = re.findall(r"\]\(#([^)]+)\)", text)
+    assert len(links) >= 20, links  # the contents list is there
+    assert sorted(set(links) - heads) == []
