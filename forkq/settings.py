@@ -93,6 +93,7 @@ class Settings:
     log_format: str | None = None
     # supervisor
     max_memory_mb: float | None = None
+    max_jobs: int | None = None
     hang_timeout: float = 30.0
     time_limit_grace: float = 10.0
     poison_after: int = 3

@@ -64,7 +64,7 @@ class Child:
     totals: tuple[int, int] | None = None  # jobs processed and failed, as last pinged
     ready: bool = False                    # has reported since its worker started
     stopping_since: float | None = None   # told to stop (recycle) at this monotonic time
-    reason: str = ""                       # why the master ended it: memory, hang, restart, time_limit, cancel
+    reason: str = ""                       # why the master ended it: memory, jobs, hang, restart, time_limit, cancel
     # a job of it was interrupted: replace it, with this reason (time_limit, cancel)
     stuck: str | None = None
     fatal: str = ""                        # the error it reported just before dying
@@ -384,7 +384,7 @@ class Supervisor:
         os.close(child.report_r)
         code = os.waitstatus_to_exitcode(status)
         how = f"exit {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-        expected = self.state == "stopping" or child.reason in ("memory", "restart", "time_limit", "cancel")
+        expected = self.state == "stopping" or child.reason in ("memory", "jobs", "restart", "time_limit", "cancel")
         # a child only leaves on its own when told to: an exit 0 nobody asked for is a job
         # calling os._exit(0), and must count against the jobs it held like any crash
         crashed = code != 0 or not expected
@@ -685,10 +685,11 @@ class Supervisor:
     _last_recycle_check = 0.0
 
     def recycle_children(self) -> None:
-        """Recycle a child over --max-memory, or one where a job ran past its time limit
-        (interrupting a job may leave a lock held, and only a new process frees a thread
-        stuck in a call)."""
+        """Recycle a child over --max-memory or --max-jobs, or one where a job ran past its
+        time limit (interrupting a job may leave a lock held, and only a new process frees
+        a thread stuck in a call)."""
         limit = self.settings.max_memory_mb
+        most = self.settings.max_jobs
         now = time.monotonic()
         if now - self._last_recycle_check < 1.0:
             return
@@ -703,6 +704,16 @@ class Supervisor:
                             slot=child.slot, child_pid=child.pid, reason=child.stuck)
                 self.retire(child, child.stuck)
                 return
+        if most is not None and self.state == "running":
+            # the counts each child pings about once a second: a child may run a few jobs
+            # past the limit, and a recycle finishes the jobs it holds
+            for child in self.children.values():
+                ran = sum(child.totals) if child.totals is not None else 0
+                if ran >= most:
+                    log.info("child ran its --max-jobs; recycling it", slot=child.slot,
+                             child_pid=child.pid, jobs=ran, max_jobs=most)
+                    self.retire(child, "jobs")
+                    return
         if limit is None:
             return
         for child in self.children.values():

@@ -171,6 +171,7 @@ SAMPLES = {
     "log_level": ("error", '"error"', "error"),
     "log_format": ("text", '"text"', "text"),
     "max_memory_mb": ("512", "512", 512.0),
+    "max_jobs": ("1000", "1000", 1000),
     "hang_timeout": ("12", "12", 12.0),
     "time_limit_grace": ("3", "3", 3.0),
     "poison_after": ("5", "5", 5),

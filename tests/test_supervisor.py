@@ -413,6 +413,29 @@ def test_children_over_max_memory_are_recycled_one_at_a_time_and_keep_their_jobs
 
 
 @pytest.mark.timeout(60)
+def test_a_child_that_ran_max_jobs_is_recycled_and_every_job_runs_once(start_master, redis_url, r):
+    """--max-jobs (Celery's max_tasks_per_child): the master retires a child once the
+    counts it pings reach N, as it does one over --max-memory; nothing is lost or rerun."""
+    m = start_master(processes=1, concurrency=2, args=["--max-jobs", "10", "--timeout", "5"])
+    (first,) = m.wait_slots().values()
+    client = forkq.Client(redis_url)
+    tags = [f"q{i}" for i in range(50)]
+    for tag in tags:  # 2.5 s of work on two threads: the counts are pinged about once a second
+        client.push("sup.sleep", [tag, 0.1])
+    def all_done():
+        m.check()
+        return len(sup_events(r, "done")) >= len(tags)
+    wait_until(all_done, timeout=30, message=f"every job done\n{m.tail()}")
+    done = sup_events(r, "done")
+    assert sorted(e["tag"] for e in done) == sorted(tags)  # each once
+    pids = {e["pid"] for e in done}
+    assert first in pids and len(pids) >= 2, pids  # a recycled child's successor ran the rest
+    recycled = m.log_events("child ran its --max-jobs; recycling it")
+    assert recycled and all(e["jobs"] >= 10 and e["max_jobs"] == 10 for e in recycled)
+    assert {e["reason"] for e in m.log_events("child exited")} == {"jobs"}
+
+
+@pytest.mark.timeout(60)
 def test_a_job_cut_off_by_a_memory_recycle_goes_back_and_runs_again(start_master, redis_url, r):
     m = start_master(processes=2, concurrency=1, args=["--max-memory", "150", "--timeout", "1"])
     before = m.wait_slots()
