@@ -567,6 +567,12 @@ def _start(settings: Settings) -> int:
     if settings.no_fork:
         from .worker import run_standalone
         logs.configure(settings.log_level, settings.log_format, buffered=True)
+        recycles = [flag for flag, value in (("--max-memory", settings.max_memory_mb),
+                                             ("--max-jobs", settings.max_jobs)) if value is not None]
+        if recycles:
+            # a master recycles its children; a --no-fork worker has none to ask
+            logs.get("forkq").warning(f"{' and '.join(recycles)} recycle the children of a master: "
+                                      "with --no-fork there is none, and they are ignored")
         try:
             return end_within(EXIT_GRACE_S, run_standalone(settings))
         finally:

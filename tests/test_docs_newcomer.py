@@ -148,3 +148,16 @@ def test_every_link_to_a_readme_section_names_one_of_its_headings():
     links = re.findall(r"\]\(#([^)]+)\)", text)
     assert len(links) >= 20, links  # the contents list is there
     assert sorted(set(links) - heads) == []
+
+
+@pytest.mark.timeout(60)
+def test_recycling_flags_given_to_a_no_fork_worker_are_named_as_ignored(redis_url, tmp_path):
+    """--max-memory and --max-jobs are the master's: a --no-fork worker took them without
+    a word and never recycled anything."""
+    log_path = tmp_path / "worker.log"
+    env = dict(os.environ, FORKQ_REDIS_URL=redis_url, PYTHONPATH=str(REPO_ROOT))
+    _start_and_stop(["--no-fork", "--log-format", "json", "--max-jobs", "5", "--max-memory", "100"],
+                    env, tmp_path, log_path)
+    said = [line["event"] for line in json_lines(log_path) if "--max-jobs" in line["event"]]
+    assert said == ["--max-memory and --max-jobs recycle the children of a master: with "
+                    "--no-fork there is none, and they are ignored"], said
