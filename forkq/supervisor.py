@@ -706,9 +706,10 @@ class Supervisor:
                 return
         if most is not None and self.state == "running":
             # the counts each child pings about once a second: a child may run a few jobs
-            # past the limit, and a recycle finishes the jobs it holds
+            # past the limit, and a recycle finishes the jobs it holds. Processed alone:
+            # it counts every job that ended, the failed ones (the second count) among them
             for child in self.children.values():
-                ran = sum(child.totals) if child.totals is not None else 0
+                ran = child.totals[0] if child.totals is not None else 0
                 if ran >= most:
                     log.info("child ran its --max-jobs; recycling it", slot=child.slot,
                              child_pid=child.pid, jobs=ran, max_jobs=most)

@@ -1031,3 +1031,57 @@ def test_a_no_fork_worker_is_not_stopped_by_a_signal_its_job_sends_a_forked_copy
     push(redis_url, "sup.quick", "after")
     wait_event(r, m, "done", "after")
     assert not m.log_events("stopping")
+
+
+def _pinging_children(sup, n: int) -> list:
+    """n Child records in sup.children, each with a real report pipe the test writes pings
+    to (no process: retire only writes a byte to its control pipe)."""
+    from forkq.supervisor import Child
+    made = []
+    for slot in range(n):
+        report_r, report_w = os.pipe()
+        control_r, control_w = os.pipe()
+        os.set_blocking(report_r, False)
+        child = Child(slot=slot, pid=10_000_000 + slot, identity=f"h:{slot}", control_w=control_w,
+                      report_r=report_r, started=time.monotonic(), last_ping=time.monotonic())
+        sup.children[child.pid] = child
+        made.append((child, report_w, control_r))
+    return made
+
+
+def _ping(sup, child, report_w: int, line: bytes) -> None:
+    os.write(report_w, line)
+    assert sup.read_report(child)
+
+
+def _recycle_now(sup) -> None:
+    sup._last_recycle_check = 0.0  # past the once-a-second throttle
+    sup.recycle_children()
+
+
+def _close_children(made) -> None:
+    for child, report_w, control_r in made:
+        for fd in (child.report_r, child.control_w, report_w, control_r):
+            os.close(fd)
+
+
+@pytest.mark.timeout(10)
+def test_max_jobs_counts_a_failed_job_once():
+    """A ping carries (processed, failed), processed counting every job that ended, the
+    failed ones too: summed, a child whose jobs all fail was recycled after N/2 jobs."""
+    from forkq.settings import Settings
+    from forkq.supervisor import Supervisor
+    sup = Supervisor(Settings(processes=1, max_jobs=10))
+    made = _pinging_children(sup, 1)
+    (child, report_w, _), = made
+    try:
+        _ping(sup, child, report_w, b"B0 6 6\n")  # six jobs ran, all six failed
+        _recycle_now(sup)
+        assert child.stopping_since is None and child.reason == ""
+        _ping(sup, child, report_w, b"B0 10 10\n")
+        _recycle_now(sup)
+        assert child.reason == "jobs" and child.stopping_since is not None
+    finally:
+        os.close(sup._sig_r)
+        os.close(sup._sig_w)
+        _close_children(made)
