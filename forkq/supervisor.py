@@ -704,7 +704,11 @@ class Supervisor:
                             slot=child.slot, child_pid=child.pid, reason=child.stuck)
                 self.retire(child, child.stuck)
                 return
-        if most is not None and self.state == "running":
+        # Children reach --max-jobs at about the same time: as HUP's rolling restart does,
+        # wait until the last replacement is up (a slot booting, or backing off after
+        # failed starts, would otherwise take working children down with it)
+        if (most is not None and self.state == "running" and len(self.children) == len(self.slots)
+                and all(c.ready for c in self.children.values())):
             # the counts each child pings about once a second: a child may run a few jobs
             # past the limit, and a recycle finishes the jobs it holds. Processed alone:
             # it counts every job that ended, the failed ones (the second count) among them

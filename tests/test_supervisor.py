@@ -1033,12 +1033,12 @@ def test_a_no_fork_worker_is_not_stopped_by_a_signal_its_job_sends_a_forked_copy
     assert not m.log_events("stopping")
 
 
-def _pinging_children(sup, n: int) -> list:
-    """n Child records in sup.children, each with a real report pipe the test writes pings
+def _pinging_children(sup, slots: range) -> list:
+    """Child records for these slots in sup.children, each with a real report pipe the test writes pings
     to (no process: retire only writes a byte to its control pipe)."""
     from forkq.supervisor import Child
     made = []
-    for slot in range(n):
+    for slot in slots:
         report_r, report_w = os.pipe()
         control_r, control_w = os.pipe()
         os.set_blocking(report_r, False)
@@ -1072,7 +1072,7 @@ def test_max_jobs_counts_a_failed_job_once():
     from forkq.settings import Settings
     from forkq.supervisor import Supervisor
     sup = Supervisor(Settings(processes=1, max_jobs=10))
-    made = _pinging_children(sup, 1)
+    made = _pinging_children(sup, range(1))
     (child, report_w, _), = made
     try:
         _ping(sup, child, report_w, b"B0 6 6\n")  # six jobs ran, all six failed
@@ -1081,6 +1081,35 @@ def test_max_jobs_counts_a_failed_job_once():
         _ping(sup, child, report_w, b"B0 10 10\n")
         _recycle_now(sup)
         assert child.reason == "jobs" and child.stopping_since is not None
+    finally:
+        os.close(sup._sig_r)
+        os.close(sup._sig_w)
+        _close_children(made)
+
+
+@pytest.mark.timeout(10)
+def test_max_jobs_waits_until_every_slot_has_a_child_up_before_the_next_recycle():
+    """Children reach --max-jobs at about the same time: a recycle as soon as the last
+    one ended left two slots down at once (one booting, one draining), and with a slot
+    in crash-loop backoff it retired the working children into the same loop, until the
+    master gave up. It waits as HUP's rolling restart does."""
+    from forkq.settings import Settings
+    from forkq.supervisor import Supervisor
+    sup = Supervisor(Settings(processes=3, max_jobs=10))
+    made = _pinging_children(sup, range(2))  # slot 2 has no child: booting, or backing off
+    (old, old_w, _), (new, new_w, _) = made
+    try:
+        _ping(sup, old, old_w, b"B1 12 0\n")
+        _ping(sup, new, new_w, b"B0 0 0\n")
+        _recycle_now(sup)
+        assert old.stopping_since is None and old.reason == ""
+        made += _pinging_children(sup, range(2, 3))  # slot 2's child forked, not ready yet
+        _recycle_now(sup)
+        assert old.stopping_since is None
+        child, report_w, _ = made[2]
+        _ping(sup, child, report_w, b"B0 0 0\n")
+        _recycle_now(sup)
+        assert old.reason == "jobs" and old.stopping_since is not None
     finally:
         os.close(sup._sig_r)
         os.close(sup._sig_w)
