@@ -70,8 +70,9 @@ class Watchdog:
         self.on_fire: Callable[[], None] | None = None
         # the same after a cancel interrupted a job (Watchdog.cancel); on_fire if None
         self.on_cancel: Callable[[], None] | None = None
-        # called once a job is given up
-        self.on_give_up: Callable[[], None] | None = None
+        # called once a job is given up, with what was given up on (TimeLimitExceeded or
+        # JobCancelled): the child's replacement is counted as the one or the other
+        self.on_give_up: Callable[[type[BaseException]], None] | None = None
         self._giving_up: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._starting = threading.Lock()
@@ -266,7 +267,7 @@ class Watchdog:
             self._giving_up = [t for t in self._giving_up if t.is_alive()] + [thread]
         thread.start()
         if self.on_give_up is not None:
-            self.on_give_up()
+            self.on_give_up(kind)
 
 
 WATCHDOG = Watchdog()

@@ -25,6 +25,7 @@ from typing import Any
 import redis
 
 from . import __version__, client, cron, logs, orphans, strays, titles
+from .errors import JobCancelled, TimeLimitExceeded
 from .fetch import refusal, requeue_owner, writes_refused
 from .launcher import Launcher, new_identity
 from .manager import REDIS_ERRORS, Manager
@@ -131,7 +132,7 @@ class Worker:
     def _cancelled(self) -> None:
         self._interrupted(b"C\n")
 
-    def _stuck_thread(self) -> None:
+    def _stuck_thread(self, kind: type[BaseException] = TimeLimitExceeded) -> None:
         """A job was given up, its thread still in the call it is stuck in: only a new
         process gets that thread back. A limit or a cancel that raised in the thread asked
         for one as it fired; an async job's cancel, handled on the loop, did not, and a
@@ -140,7 +141,9 @@ class Worker:
             log.error("this worker runs with one thread fewer until the stuck call returns; "
                       "restart it to get the thread back")
             return
-        self._interrupted()  # the master marks the child once, however often it is asked
+        # the master marks the child once, however often it is asked; as a cancel if that
+        # is what was given up (an async job's cancel asked for nothing as it fired)
+        self._interrupted(b"C\n" if kind is JobCancelled else b"L\n")
 
     def _loop(self) -> None:
         fds = [self._cmd_r] + ([self.control_fd] if self.control_fd is not None else [])

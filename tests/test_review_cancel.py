@@ -198,6 +198,8 @@ def test_an_async_job_deaf_to_its_cancel_is_given_up_and_its_child_replaced(star
     assert "could not be interrupted" in entry["error_message"]
     after = wait_until(lambda: (s := m.slots()) and s.get(0) not in (None, before) and s[0],
                        timeout=15, message=f"slot 0 replaced\n{m.tail()}")
+    exited = [line for line in m.tail().splitlines() if "child exited" in line]
+    assert exited and "cancel" in exited[-1] and "time_limit" not in exited[-1], exited
     push(redis_url, "cancel.quick", "after")
     (done,) = wait_event(r, m, "done", "after")
     assert done["pid"] == after
@@ -262,3 +264,52 @@ def test_a_job_claimed_by_a_forkq_that_reads_no_cancels_is_not_forkq_not_pending
     out = api.cancel(r, jid, wait=1.0, poll=0.05)
     assert (out.state, out.where.state) == ("not_forkq", "claimed"), out
     assert not r.hexists(keys.CANCEL, jid)
+
+
+@pytest.mark.parametrize("on_the_loop", [False, True], ids=["sync", "async"])
+@pytest.mark.timeout(10)
+def test_a_cancel_given_up_asks_for_the_replacement_as_a_cancel_not_a_time_limit(on_the_loop):
+    """A cancelled job still running `grace` later is given up, and the give-up asks the
+    master for a fresh process. It wrote L, a time limit's byte, whatever was given up:
+    a sync job's C was overridden (a limit's reason wins) and an async job's cancel, which
+    writes nothing as it fires, was always counted as time_limit."""
+    import os
+
+    from forkq.settings import Settings
+    from forkq.supervisor import Supervisor
+    from forkq.timelimit import Watchdog
+    from forkq.worker import Worker
+    from test_supervisor import _close_children, _pinging_children
+    dog = Watchdog()
+    dog.grace = 0.1
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    worker = Worker.__new__(Worker)  # only its report pipe: what a child writes its master
+    worker.report_fd = write
+    dog.on_fire, dog.on_cancel, dog.on_give_up = worker._interrupted, worker._cancelled, worker._stuck_thread
+    given_up = threading.Event()
+    # a thread id no thread has: nothing to raise in, and the give-up comes `grace` later
+    assert dog.cancel(2**40 + 7, "j1", lambda armed: True, lambda limit, over: given_up.set(),
+                      interrupt=(lambda: True) if on_the_loop else None)
+    wait_until(given_up.is_set, timeout=5, message="the cancel given up")
+    written = b""
+
+    def asked_twice_or_once() -> bool:
+        nonlocal written
+        try:
+            written += os.read(read, 64)
+        except BlockingIOError:
+            pass
+        return written.count(b"\n") == (1 if on_the_loop else 2)
+    wait_until(asked_twice_or_once, timeout=5, message="the give-up's report")
+    sup = Supervisor(Settings(processes=1))
+    made = _pinging_children(sup, range(1))
+    try:
+        (child, report_w, _), = made
+        os.write(report_w, written)
+        assert sup.read_report(child)
+        assert child.stuck == "cancel", written
+    finally:
+        for fd in (read, write, sup._sig_r, sup._sig_w):
+            os.close(fd)
+        _close_children(made)
