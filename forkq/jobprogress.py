@@ -44,7 +44,8 @@ def progress(done: float, total: float | None = None, note: str | None = None) -
 
     Numbers must be finite and not negative (int, float, or any numbers.Real such as a
     numpy integer); a bad argument raises TypeError or ValueError. Outside a job it
-    raises RuntimeError. Under forkq.testing it validates and records nothing."""
+    raises RuntimeError. Under forkq.testing's fake() and inline() each report is kept
+    for testing.progress(jid)."""
     current = getattr(_job, "current", None) or (_TASK_JOB.get() or _NO_TASK)[0]
     if current is None:
         raise RuntimeError(OUTSIDE)

@@ -46,7 +46,7 @@ def set_job(jid: Any, name: str, queue: str, job: dict[str, Any] | None = None,
             owner: Any = None) -> None:
     """Mark this thread as running a job: every line it logs carries jid, class and queue,
     forkq.current_job() returns its payload, and forkq.progress() records on `owner` (the
-    Processor; None: nowhere, as under forkq.testing). What a job (or its middleware) bound with
+    Processor, or forkq.testing's recorder; None: nowhere). What a job (or its middleware) bound with
     structlog.contextvars is this job's only: left bound, the thread's next job logged the
     last one's tenant, say."""
     _job.current = (jid, name, queue, job, owner)
