@@ -696,7 +696,10 @@ class Supervisor:
         self._last_recycle_check = now
         if any(c.stopping_since is not None for c in self.children.values()):
             return  # one recycle at a time keeps the other children working
-        for child in self.children.values():
+        # one killed as hung this turn is not reaped yet: retired again, its death would be
+        # counted under this reason instead of hang
+        live = [c for c in self.children.values() if not c.reason]
+        for child in live:
             if child.stuck and self.state == "running":
                 log.warning("a job of this child was interrupted (past its time limit, or "
                             "cancelled); replacing the child, which interrupting the job may "
@@ -712,7 +715,7 @@ class Supervisor:
             # the counts each child pings about once a second: a child may run a few jobs
             # past the limit, and a recycle finishes the jobs it holds. Processed alone:
             # it counts every job that ended, the failed ones (the second count) among them
-            for child in self.children.values():
+            for child in live:
                 ran = child.totals[0] if child.totals is not None else 0
                 if ran >= most:
                     log.info("child ran its --max-jobs; recycling it", slot=child.slot,
@@ -721,7 +724,7 @@ class Supervisor:
                     return
         if limit is None:
             return
-        for child in self.children.values():
+        for child in live:
             try:
                 rss_mb = psutil.Process(child.pid).memory_info().rss / 1_048_576
             except psutil.Error:

@@ -1114,3 +1114,24 @@ def test_max_jobs_waits_until_every_slot_has_a_child_up_before_the_next_recycle(
         os.close(sup._sig_r)
         os.close(sup._sig_w)
         _close_children(made)
+
+
+@pytest.mark.timeout(10)
+def test_a_child_killed_as_hung_is_not_retired_again_under_another_reason():
+    """murder_hung_children SIGKILLs a silent child and recycle_children runs next in the
+    same turn, before the reap: a hung child past --max-jobs (or --max-memory, or with a
+    job interrupted) was retired again, and its death counted as jobs, not hang."""
+    from forkq.settings import Settings
+    from forkq.supervisor import Supervisor
+    sup = Supervisor(Settings(processes=1, max_jobs=10))
+    made = _pinging_children(sup, range(1))
+    (child, report_w, _), = made
+    try:
+        _ping(sup, child, report_w, b"B1 12 0\nC\n")
+        child.reason = "hang"  # as murder_hung_children leaves it, the SIGKILL sent
+        _recycle_now(sup)
+        assert child.reason == "hang" and child.stopping_since is None
+    finally:
+        os.close(sup._sig_r)
+        os.close(sup._sig_w)
+        _close_children(made)
