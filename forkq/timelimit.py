@@ -218,9 +218,12 @@ class Watchdog:
                 if give_up is not None:
                     self._fired[ident] = (_NEVER, limit, jid, None, kind)
                     self._given_up.add(ident)
-                    taken.append((give_up, limit, now - fired))
+                    taken.append((give_up, limit, now - fired, jid, _stack(ident), kind))
             pending = list(self._giving_up)
-        for give_up, limit, over in taken:
+        for give_up, limit, over, jid, stack, kind in taken:
+            # the same line as a give-up after the grace: where the job is stuck is what an
+            # operator needs, whichever came first
+            _log_given_up(jid, limit, over, stack, kind)
             give_up(limit, over)
         until = now + timeout
         for thread in pending:
@@ -238,26 +241,17 @@ class Watchdog:
             self._fired[ident] = (_NEVER, limit, jid, None, kind)
             if give_up is not None:
                 self._given_up.add(ident)
-            frame = sys._current_frames().get(ident)
-            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(thread gone)"
-            stuck.append((jid, limit, now - fired, stack, give_up, kind))
+            stuck.append((jid, limit, now - fired, _stack(ident), give_up, kind))
         return stuck
 
     def _give_up(self, jid: Any, limit: float | None, over: float, stack: str, give_up: GiveUp | None,
                  kind: type[BaseException] = TimeLimitExceeded) -> None:
-        if kind is JobCancelled:
-            log.error("a cancelled job could not be interrupted (its thread is in a call that has "
-                      "not returned); recording its cancellation without it", jid=jid,
-                      over_s=round(over, 1), stack=stack)
-        elif give_up is None:
+        if give_up is None and kind is not JobCancelled:
             log.warning("job ran past its time limit and was not interrupted: its thread is in a "
                         "call that cannot be interrupted, and the job fails when that call returns",
                         jid=jid, time_limit_s=limit, over_s=round(over, 1), stack=stack)
             return
-        else:
-            log.error("job ran past its time limit and could not be interrupted (its thread is in a "
-                      "call that has not returned); recording its failure", jid=jid, time_limit_s=limit,
-                      over_s=round(over, 1), stack=stack)
+        _log_given_up(jid, limit, over, stack, kind)
         if give_up is None:
             return
         # its own thread: the write rides out a Redis outage, and limits must keep firing
@@ -268,6 +262,23 @@ class Watchdog:
         thread.start()
         if self.on_give_up is not None:
             self.on_give_up(kind)
+
+
+def _stack(ident: int) -> str:
+    frame = sys._current_frames().get(ident)
+    return "".join(traceback.format_stack(frame)) if frame is not None else "(thread gone)"
+
+
+def _log_given_up(jid: Any, limit: float | None, over: float, stack: str,
+                  kind: type[BaseException]) -> None:
+    if kind is JobCancelled:
+        log.error("a cancelled job could not be interrupted (its thread is in a call that has "
+                  "not returned); recording its cancellation without it", jid=jid,
+                  over_s=round(over, 1), stack=stack)
+    else:
+        log.error("job ran past its time limit and could not be interrupted (its thread is in a "
+                  "call that has not returned); recording its failure", jid=jid, time_limit_s=limit,
+                  over_s=round(over, 1), stack=stack)
 
 
 WATCHDOG = Watchdog()

@@ -171,6 +171,53 @@ def test_a_job_blocked_in_a_call_is_logged_with_its_stack_and_fails_when_it_retu
     assert ended == ["limited"]
 
 
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("how", ["limit", "cancel"])
+def test_a_job_given_up_at_a_stop_has_its_stack_logged(tmp_path, how):
+    """A child's stop that runs out of --timeout gives up a job stuck in a call before the
+    grace does (give_up_fired): its stack goes to the log then too, as the README says."""
+    out = tmp_path / "log"
+    stream = open(out, "w")
+    logs.configure(level="warning", fmt="json", stream=stream)
+    dog = timelimit.Watchdog(grace=60)  # the stop comes long before the grace would
+    release = threading.Event()
+    given_up = []
+
+    def job():
+        ident = threading.get_ident()
+        try:
+            try:
+                dog.arm(ident, 0.05 if how == "limit" else 60, "jid-stop",
+                        give_up=lambda limit, over: given_up.append(limit))
+                release.wait()  # one C call: nothing can land until it returns
+                time.sleep(0)
+            finally:
+                dog.disarm(ident)
+        except BaseException:
+            pass
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    try:
+        if how == "cancel":
+            wait_until(lambda: dog.cancel(thread.ident, "jid-stop", lambda armed: armed,
+                                          give_up=lambda limit, over: given_up.append(limit)),
+                       timeout=5, message="the cancel fired")
+        else:
+            wait_until(lambda: thread.ident in dog._fired, timeout=5, message="the limit fired")
+        dog.give_up_fired(timeout=1.0)
+        assert len(given_up) == 1
+        stream.flush()
+        (entry,) = [json.loads(ln) for ln in out.read_text().splitlines() if "jid-stop" in ln]
+        assert entry["level"] == "error"
+        assert ("cancelled" in entry["event"]) == (how == "cancel")
+        assert "release.wait()" in entry["stack"]
+    finally:
+        release.set()
+        thread.join(5)
+        stream.close()
+
+
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("bad", [0, -1, "5", True, float("nan"), float("inf"), 1e10])
 def test_a_bad_time_limit_is_refused_at_import(bad):
