@@ -541,7 +541,7 @@ def _push(url: str, args: argparse.Namespace) -> int:
                          "unique job whose twin is pending\n")
         return 1
     _emit(args, {"jid": jid, "queue": queue, "at": args.at},
-          [jid if args.at is None else f"{jid} (due {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(args.at))})"])
+          [jid if args.at is None else f"{jid} (due {_when(args.at)} UTC)"])  # UTC, as every table
     return 0
 
 

@@ -389,6 +389,23 @@ def test_push_pushes_by_name_or_through_the_app_and_refuses_bad_input_in_one_lin
     assert 1893456000.0 in [s for _, s in r.zrange("schedule", 0, -1, withscores=True)]
 
 
+@pytest.mark.timeout(10)
+def test_push_says_when_a_scheduled_job_is_due_in_utc(redis_url, capsys, monkeypatch):
+    """`forkq push --at/--in` prints the due time in UTC, named, as every other command
+    does, whatever the host's zone (it printed local time without a zone)."""
+    from forkq import cli
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        assert cli.main(["push", "app.Report", "--at", "2030-01-01T00:00:00Z",
+                         "--redis-url", redis_url]) == 0
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    jid, _, due = capsys.readouterr().out.strip().partition(" ")
+    assert len(jid) == 24 and due == "(due 2030-01-01 00:00:00 UTC)"
+
+
 @pytest.mark.timeout(30)
 def test_push_with_redis_down_is_one_line_and_exit_1(capsys):
     from forkq import cli
