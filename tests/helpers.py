@@ -720,3 +720,45 @@ class ForkqWorker(_LoggedProcess):
                 f"forkq worker exited with {self.proc.returncode}:\n{self.log_tail()}"
             )
 
+
+
+class InProcessWorkers:
+    """Managers and their Launchers started in the test's own process (no fork), each
+    beating every `beat_s` seconds: `start(concurrency)` -> (manager, launcher). For tests
+    that reach into a worker (its processors, the watchdog) while it runs for real against
+    Redis. `close()` stops them all, then the event loop of async jobs and the default
+    client; a test's blocked jobs must be let go first."""
+
+    def __init__(self, redis_url: str, identity: str, queue: str, beat_s: float,
+                 info: dict | None = None) -> None:
+        self.redis_url, self.identity, self.queue, self.beat_s = redis_url, identity, queue, beat_s
+        self.info = {"queues": [queue], **(info or {})}
+        self.made: list = []
+
+    def start(self, concurrency: int = 1):
+        from forkq.launcher import Launcher
+        from forkq.manager import Manager
+        from forkq.queues import QueueOrder
+        url = self.redis_url
+        manager = Manager(lambda: redis.Redis.from_url(url), self.identity,
+                          QueueOrder([(self.queue, 0)]), concurrency=concurrency, block_timeout=0.5)
+        launcher = Launcher(manager.redis, self.identity, manager, dict(self.info),
+                            on_signal=lambda signum: None, interval=self.beat_s)
+        manager.start()
+        launcher.start()
+        self.made.append((manager, launcher))
+        return manager, launcher
+
+    def close(self) -> None:
+        import forkq
+        from forkq import aio
+        for manager, launcher in self.made:
+            launcher.stop()
+            manager.stop(time.monotonic() + 5)
+            manager.fetch.close()
+        # a thread hung in the event loop's start-up would hold aio's lock: the shutdown
+        # would wait for it for good
+        if aio._lock.acquire(timeout=2):
+            aio._lock.release()
+            aio.shutdown()
+        forkq.client._default = None

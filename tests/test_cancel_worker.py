@@ -15,20 +15,16 @@ import threading
 import time
 
 import pytest
-import redis
 import structlog
 
 import forkq
-from forkq import aio, hooks, keys
+from forkq import hooks, keys
 from forkq import launcher as launcher_mod
 from forkq import processor as processor_mod
 from forkq.errors import JobFailed
-from forkq.launcher import Launcher
-from forkq.manager import Manager
-from forkq.queues import QueueOrder
 from forkq.timelimit import WATCHDOG
 from corekit import core_jobs, forkq_client, wait_records, workers  # noqa: F401 (fixtures)
-from helpers import wait_until
+from helpers import InProcessWorkers, wait_until
 
 QUEUE = "cq"
 IDENTITY = "test:1:cancel00000a"
@@ -154,29 +150,17 @@ def running(redis_url, r, monkeypatch):
     # replacement is for, and at the race test's rate the pool runs out
     monkeypatch.setattr(hooks, "SERVER_MIDDLEWARE", [])
     forkq.configure(redis_url)
-    made: list[tuple[Manager, Launcher]] = []
+    workers = InProcessWorkers(redis_url, IDENTITY, QUEUE, BEAT_S)
 
-    def start(concurrency: int = 1) -> tuple[Manager, Launcher]:
-        manager = Manager(lambda: redis.Redis.from_url(redis_url), IDENTITY,
-                          QueueOrder([(QUEUE, 0)]), concurrency=concurrency, block_timeout=0.5)
-        launcher = Launcher(manager.redis, IDENTITY, manager, {"queues": [QUEUE]},
-                            on_signal=lambda signum: None, interval=BEAT_S)
-        manager.start()
-        launcher.start()
-        made.append((manager, launcher))
-        return manager, launcher
+    def start(concurrency: int = 1):
+        return workers.start(concurrency)
 
     start.fired = fired  # type: ignore[attr-defined]
     try:
         yield start
     finally:
         release.set()
-        for manager, launcher in made:
-            launcher.stop()
-            manager.stop(time.monotonic() + 5)
-            manager.fetch.close()
-        aio.shutdown()
-        forkq.client._default = None
+        workers.close()
 
 
 def ask_cancel(r, jid: str, by: str | None = "alice@host", reason: str | None = "wrong customer") -> float:

@@ -18,15 +18,13 @@ import types
 import wsgiref.util
 
 import pytest
-import redis
 
 import forkq
-from forkq import aio, api, hooks, jobprogress, keys, logs, testing
+from forkq import api, hooks, jobprogress, keys, logs, testing
 from forkq.jobprogress import Progress
-from forkq.launcher import Launcher, _work_entry
+from forkq.launcher import _work_entry
 from forkq.manager import Manager
-from forkq.queues import QueueOrder
-from helpers import wait_until
+from helpers import InProcessWorkers, wait_until
 
 QUEUE = "pq"
 IDENTITY = "test:1:progress000a"
@@ -89,29 +87,17 @@ def running(redis_url, monkeypatch):
     reported.clear()
     monkeypatch.setattr(hooks, "SERVER_MIDDLEWARE", [])
     forkq.configure(redis_url)
-    made: list[tuple[Manager, Launcher]] = []
+    workers = InProcessWorkers(redis_url, IDENTITY, QUEUE, BEAT_S)
 
     def start(concurrency: int = 1) -> Manager:
-        manager = Manager(lambda: redis.Redis.from_url(redis_url), IDENTITY,
-                          QueueOrder([(QUEUE, 0)]), concurrency=concurrency, block_timeout=0.5)
-        launcher = Launcher(manager.redis, IDENTITY, manager, {"queues": [QUEUE]},
-                            on_signal=lambda signum: None, interval=BEAT_S)
-        manager.start()
-        launcher.start()
-        made.append((manager, launcher))
-        return manager
+        return workers.start(concurrency)[0]
 
     try:
         yield start
     finally:
         step.set()
         release.set()
-        for manager, launcher in made:
-            launcher.stop()
-            manager.stop(time.monotonic() + 5)
-            manager.fetch.close()
-        aio.shutdown()
-        forkq.client._default = None
+        workers.close()
 
 
 def work_entries(r) -> list[dict]:

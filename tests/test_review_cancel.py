@@ -17,16 +17,12 @@ import threading
 import time
 
 import pytest
-import redis
 
 import forkq
 from forkq import aio, api, hooks, keys
 from forkq import processor as processor_mod
-from forkq.launcher import Launcher
-from forkq.manager import Manager
-from forkq.queues import QueueOrder
 from forkq.timelimit import WATCHDOG
-from helpers import wait_until
+from helpers import InProcessWorkers, wait_until
 from test_supervisor import APPS, push, start_master, sup_events, wait_event  # noqa: F401
 
 QUEUE = "rq"
@@ -66,31 +62,13 @@ def running(redis_url, r, monkeypatch):
     monkeypatch.setattr(WATCHDOG, "grace", 0.5)
     monkeypatch.setattr(hooks, "SERVER_MIDDLEWARE", [])
     forkq.configure(redis_url)
-    made = []
-
-    def start(concurrency: int = 1):
-        manager = Manager(lambda: redis.Redis.from_url(redis_url), IDENTITY,
-                          QueueOrder([(QUEUE, 0)]), concurrency=concurrency, block_timeout=0.5)
-        launcher = Launcher(manager.redis, IDENTITY, manager, {"queues": [QUEUE]},
-                            on_signal=lambda signum: None, interval=BEAT_S)
-        manager.start()
-        launcher.start()
-        made.append((manager, launcher))
-        return manager, launcher
+    workers = InProcessWorkers(redis_url, IDENTITY, QUEUE, BEAT_S)
+    start = workers.start
 
     try:
         yield start
     finally:
-        for manager, launcher in made:
-            launcher.stop()
-            manager.stop(time.monotonic() + 5)
-            manager.fetch.close()
-        # a thread hung in the loop's start-up (the bug these tests catch) holds aio's lock:
-        # the shutdown would wait for it for good
-        if aio._lock.acquire(timeout=2):
-            aio._lock.release()
-            aio.shutdown()
-        forkq.client._default = None
+        workers.close()
 
 
 def dead(r) -> list[dict]:

@@ -11,15 +11,12 @@ import threading
 import time
 
 import pytest
-import redis
 
 import forkq
-from forkq import aio, api, hooks, jobprogress, keys, logs
-from forkq.launcher import Launcher, _work_entry
-from forkq.manager import Manager
-from forkq.queues import QueueOrder
+from forkq import api, hooks, jobprogress, keys, logs
+from forkq.launcher import _work_entry
 from forkq.timelimit import WATCHDOG
-from helpers import wait_until
+from helpers import InProcessWorkers, wait_until
 
 QUEUE = "seamq"
 IDENTITY = "test:1:seams000000a"
@@ -68,28 +65,14 @@ def running(redis_url, r, monkeypatch):
     monkeypatch.setattr(WATCHDOG, "grace", 0.5)
     monkeypatch.setattr(hooks, "SERVER_MIDDLEWARE", [])
     forkq.configure(redis_url)
-    made: list[tuple[Manager, Launcher]] = []
-
-    def start(concurrency: int = 1) -> tuple[Manager, Launcher]:
-        manager = Manager(lambda: redis.Redis.from_url(redis_url), IDENTITY,
-                          QueueOrder([(QUEUE, 0)]), concurrency=concurrency, block_timeout=0.5)
-        launcher = Launcher(manager.redis, IDENTITY, manager, {"queues": [QUEUE], "forkq_cancel": True},
-                            on_signal=lambda signum: None, interval=BEAT_S)
-        manager.start()
-        launcher.start()
-        made.append((manager, launcher))
-        return manager, launcher
+    workers = InProcessWorkers(redis_url, IDENTITY, QUEUE, BEAT_S, info={"forkq_cancel": True})
+    start = workers.start
 
     try:
         yield start
     finally:
         release.set()
-        for manager, launcher in made:
-            launcher.stop()
-            manager.stop(time.monotonic() + 5)
-            manager.fetch.close()
-        aio.shutdown()
-        forkq.client._default = None
+        workers.close()
 
 
 def dead(r) -> list[dict]:
