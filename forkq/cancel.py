@@ -40,6 +40,7 @@ PRUNE_SAMPLE = 20  # requests one write looks at for pruning
 AGAIN_S = 1.0  # how long a job found nowhere is looked for again (in transit between keys)
 
 WAITING = ("queued", "suspect", "scheduled", "retry")
+NOT_FORKQ = " (not forkq: it does not read cancel requests)"
 STATES = ("removed", "cancelled", "finished", "not_found", "not_forkq", "pending")
 
 
@@ -95,7 +96,7 @@ class Location:
                     f"last error {self.error}")
         if s == "running":
             who = f"{self.host} pid {self.pid}" if self.host else "a process"
-            kind = "" if self.forkq else " (not forkq: it does not read cancel requests)"
+            kind = "" if self.forkq else NOT_FORKQ
             done = f", at {self.progress.describe()}" if self.progress else ""
             return f"running on {who} ({self.identity}) since {_utc(self.at)}{done}{kind}"
         if s == "claimed":
@@ -440,7 +441,8 @@ class _Canceller:
                 continue  # claimed or moved meanwhile: find it again
             if where.state in ("running", "claimed") and not where.forkq:
                 return self._done("not_forkq", where,
-                                  f"{where.describe()}; it cannot be stopped from here")
+                                  f"{where.describe().replace(NOT_FORKQ, '')}; that process does "
+                                  "not read cancel requests, and nothing stops it from here")
             if where.state in ("running", "claimed"):
                 outcome = self._wait(where)
                 if outcome is not None:

@@ -245,6 +245,8 @@ def test_a_job_running_on_sidekiq_is_not_forkq_and_a_timeout_is_pending(r, redis
     _beat(r, "ruby:1:x", running=_job("on-ruby"), forkq_process=False)
     out = api.cancel(r, "on-ruby", wait=5)
     assert (out.state, out.where.forkq) == ("not_forkq", False)
+    assert out.detail.count("not forkq") == 0 and "does not read cancel requests" in out.detail
+    assert "(not forkq: " in out.where.describe()  # as `forkq job` says it
     assert not r.hexists(keys.CANCEL, "on-ruby")
     _beat(r, running=_job("slow"))
     out = api.cancel(r, "slow", wait=0.2, poll=0.05)
