@@ -88,17 +88,24 @@ def stamp(value: Any) -> float | None:
     return seconds if seconds is not None and 0 < seconds < math.inf else None
 
 
-def queues(conn: redis.Redis) -> list[QueueInfo]:
-    """Every queue in the `queues` set, and every paused one, with its length, latency,
-    crash suspects and whether it is paused (three commands a queue, in one round trip)."""
+def queue_names(conn: redis.Redis) -> tuple[list[str], set[str]]:
+    """Every queue's name, sorted: those in the `queues` set and every paused one (a queue
+    can be paused before anything is pushed to it); and the paused ones. One round trip."""
     pipe = conn.pipeline(transaction=False)
     pipe.smembers(keys.QUEUES)
     pipe.hkeys(keys.PAUSED)
-    listed, paused_ = pipe.execute()
-    paused_names = {_text(n) for n in paused_}
-    names = sorted({_text(n) for n in listed} | paused_names)
+    listed, held = pipe.execute()
+    paused = {_text(n) for n in held}
+    return sorted({_text(n) for n in listed} | paused), paused
+
+
+def queues(conn: redis.Redis) -> list[QueueInfo]:
+    """Every queue in the `queues` set, and every paused one, with its length, latency,
+    crash suspects and whether it is paused (three commands a queue, in one round trip)."""
+    names, paused_names = queue_names(conn)
     if not names:
         return []
+    pipe = conn.pipeline(transaction=False)
     for name in names:
         pipe.llen(keys.queue(name))
         pipe.lindex(keys.queue(name), -1)

@@ -223,12 +223,9 @@ def _in_set(conn: redis.Redis, name: str, jid: str) -> "api.Entry | None":
 
 
 def _in_queues(conn: redis.Redis, jid: str) -> Location | None:
-    pipe = conn.pipeline(transaction=False)
-    pipe.smembers(keys.QUEUES)
-    pipe.hkeys(keys.PAUSED)
-    listed, held = pipe.execute()
-    paused = {_text(n) for n in held}
-    for name in sorted({_text(n) for n in listed} | paused):
+    from . import api
+    names, paused = api.queue_names(conn)
+    for name in names:
         # suspects first: a worker takes them before the queue
         for key, state in ((keys.suspects(name), "suspect"), (keys.queue(name), "queued")):
             try:

@@ -722,6 +722,41 @@ class ForkqWorker(_LoggedProcess):
 
 
 
+
+def wait_beats(r, identity: str, count: int = 3, timeout: float = 10.0) -> None:
+    """Wait until the process `identity` has written `count` more heartbeats: what a test
+    that checks that something did NOT happen at a beat waits for, instead of a sleep."""
+    seen = [r.hget(identity, "beat")]
+
+    def enough():
+        beat = r.hget(identity, "beat")
+        if beat != seen[-1]:
+            seen.append(beat)
+        return len(seen) > count
+    wait_until(enough, timeout=timeout, interval=0.005, message=f"{count} heartbeats of {identity}")
+
+
+def record_faults(monkeypatch) -> list:
+    """The exceptions that reach Processor._fault (forkq's own code, outside any job) from
+    now on, still handled as before: a race test asserts there are none."""
+    from forkq import processor
+    faults: list[BaseException] = []
+    real_fault = processor.Processor._fault
+
+    def fault(self, unit, exc):
+        faults.append(exc)
+        return real_fault(self, unit, exc)
+    monkeypatch.setattr(processor.Processor, "_fault", fault)
+    return faults
+
+
+def switch_threads_often(request, interval: float = 0.00002) -> None:
+    """Threads take turns every `interval` s (not 5 ms) until the test ends, so that an
+    exception raised from another thread lands all over the code it races."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    request.addfinalizer(lambda: sys.setswitchinterval(old))
+
 class InProcessWorkers:
     """Managers and their Launchers started in the test's own process (no fork), each
     beating every `beat_s` seconds: `start(concurrency)` -> (manager, launcher). For tests

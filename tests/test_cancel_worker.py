@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import threading
 import time
 
@@ -20,11 +19,10 @@ import structlog
 import forkq
 from forkq import hooks, keys
 from forkq import launcher as launcher_mod
-from forkq import processor as processor_mod
 from forkq.errors import JobFailed
 from forkq.timelimit import WATCHDOG
 from corekit import core_jobs, forkq_client, wait_records, workers  # noqa: F401 (fixtures)
-from helpers import InProcessWorkers, wait_until
+from helpers import InProcessWorkers, record_faults, switch_threads_often, wait_beats, wait_until
 
 QUEUE = "cq"
 IDENTITY = "test:1:cancel00000a"
@@ -218,7 +216,7 @@ def test_an_unreadable_request_still_cancels_and_a_foreign_one_is_left_alone(run
     r.hset(keys.CANCEL, "elsewhere", json.dumps({"at": 1, "by": "bob", "reason": None}))
     jid = spin.enqueue("b")
     wait_started("b")
-    time.sleep(3 * BEAT_S)  # beats that saw the foreign request, and must not touch it
+    wait_beats(r, IDENTITY)  # beats that saw the foreign request, and must not touch it
     assert r.hexists(keys.CANCEL, "elsewhere")
     assert dead(r) == []  # nor the job it runs
     r.hset(keys.CANCEL, jid, "not json")
@@ -337,7 +335,8 @@ def test_a_job_that_swallows_its_cancel_is_done_once_and_never_given_up_later(ru
     ask_cancel(r, jid)
     wait_until(lambda: "swallowed JobCancelled" in ran, timeout=5, message="the cancel landed")
     wait_until(lambda: manager.counts() == (1, 0), timeout=5, message="the job done")
-    time.sleep(WATCHDOG.grace + 3 * BEAT_S)  # what must not happen would by now
+    # past the grace, by the heartbeat's clock: what must not happen would have by now
+    wait_beats(r, IDENTITY, count=round(WATCHDOG.grace / BEAT_S) + 3)
     assert dead(r) == [] and r.zcard("retry") == 0
     assert manager.counts() == (1, 0)
     assert r.hexists(keys.CANCEL, jid), "a request the job outlived stays for the operator side"
@@ -359,7 +358,7 @@ def test_an_unreadable_cancel_hash_is_logged_once_and_the_heartbeat_goes_on(runn
         wait_started("w")
         first = r.hget(IDENTITY, "beat")
         wait_until(lambda: r.hget(IDENTITY, "beat") != first, timeout=2, message="beats go on")
-        time.sleep(3 * BEAT_S)
+        wait_beats(r, IDENTITY)
     unreadable = [e for e in logged if "forkq:cancel cannot be read" in e["event"]]
     assert len(unreadable) == 1 and "WRONGTYPE" in unreadable[0]["error"]
 
@@ -371,17 +370,8 @@ def test_cancels_racing_jobs_that_end_never_leak_into_the_next_job_or_forkq(runn
     ends one way (done, or dead as cancelled, once), and no JobCancelled lands outside its
     job, in forkq's own code (it would reach Processor._fault). Fails when cancel() does
     not check the thread's window (only that it still runs the job)."""
-    faults: list[BaseException] = []
-    real_fault = processor_mod.Processor._fault
-
-    def fault(self, unit, exc):
-        faults.append(exc)
-        return real_fault(self, unit, exc)
-    monkeypatch.setattr(processor_mod.Processor, "_fault", fault)
-    # the threads take turns every 20 us, not 5 ms: cancels land all over each job's end
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(0.00002)
-    request.addfinalizer(lambda: sys.setswitchinterval(old))
+    faults = record_faults(monkeypatch)
+    switch_threads_often(request)  # cancels land all over each job's end
     manager, launcher = running(concurrency=1)
     launcher.stop()  # cancels come from this test, at a far higher rate than beats
     (proc,) = manager.processors

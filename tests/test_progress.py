@@ -24,7 +24,7 @@ from forkq import api, hooks, jobprogress, keys, logs, testing
 from forkq.jobprogress import Progress
 from forkq.launcher import _work_entry
 from forkq.manager import Manager
-from helpers import InProcessWorkers, wait_until
+from helpers import InProcessWorkers, wait_beats, wait_until
 
 QUEUE = "pq"
 IDENTITY = "test:1:progress000a"
@@ -162,7 +162,7 @@ def test_progress_shows_in_the_work_entry_within_a_beat_and_everywhere_it_is_rea
     wait_until(lambda: "silent" in reported, timeout=5, message="the silent job started")
     (entry,) = wait_until(lambda: work_entries(r), timeout=2, message="the silent job shown")
     assert json.loads(entry["payload"])["jid"] == sjid
-    time.sleep(3 * BEAT_S)  # beats that must not show the last job's progress on this one
+    wait_beats(r, IDENTITY)  # beats that must not show the last job's progress on this one
     (entry,) = work_entries(r)
     assert "forkq_progress" not in entry and api.running(r)[0].progress is None
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import sys
 import threading
 import time
 
@@ -20,9 +19,8 @@ import pytest
 
 import forkq
 from forkq import aio, api, hooks, keys
-from forkq import processor as processor_mod
 from forkq.timelimit import WATCHDOG
-from helpers import InProcessWorkers, wait_until
+from helpers import InProcessWorkers, record_faults, switch_threads_often, wait_until
 from test_supervisor import APPS, push, start_master, sup_events, wait_event  # noqa: F401
 
 QUEUE = "rq"
@@ -81,16 +79,8 @@ def test_cancels_racing_async_jobs_never_hang_their_thread(running, r, monkeypat
     dead as cancelled), nothing lands in forkq's code, and the thread never hangs. Before
     cancel_run took the run before the loop starts, a cancel landing in the loop's start-up
     (which an interrupted start leaves to the next job) hung the thread in most runs."""
-    faults = []
-    real_fault = processor_mod.Processor._fault
-
-    def fault(self, unit, exc):
-        faults.append(exc)
-        return real_fault(self, unit, exc)
-    monkeypatch.setattr(processor_mod.Processor, "_fault", fault)
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(0.00002)
-    request.addfinalizer(lambda: sys.setswitchinterval(old))
+    faults = record_faults(monkeypatch)
+    switch_threads_often(request)
     aio.shutdown()  # the first job starts the loop, as in a new child
     before = set(_loop_threads())  # any that another test left, stopping
     manager, launcher = running(concurrency=1)

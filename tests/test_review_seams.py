@@ -16,7 +16,7 @@ import forkq
 from forkq import api, hooks, jobprogress, keys, logs
 from forkq.launcher import _work_entry
 from forkq.timelimit import WATCHDOG
-from helpers import InProcessWorkers, wait_until
+from helpers import InProcessWorkers, wait_beats, wait_until
 
 QUEUE = "seamq"
 IDENTITY = "test:1:seams000000a"
@@ -203,7 +203,7 @@ def test_async_jobs_sharing_the_loop_each_show_their_own_progress_and_a_left_tas
     go_on.set()
     wait_until(lambda: "refused" in leftover, timeout=5, message="the left task refused")
     wait_until(lambda: list(_shown(r)) == [b], timeout=5, message="a's entry gone")
-    time.sleep(3 * BEAT_S)
+    wait_beats(r, IDENTITY)
     assert _shown(r)[b]["note"] == "b"
 
 
