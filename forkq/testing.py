@@ -151,6 +151,15 @@ class FakeJobs:
 
 
 def _run(job: dict[str, Any]) -> None:
+    # a chain's next step under inline() runs here, after the step before it returned, not
+    # inside its push: a long chain would otherwise nest a few frames per step, and
+    # overflow the stack at a few hundred steps
+    nxt: dict[str, Any] | None = job
+    while nxt is not None:
+        nxt = _run_one(nxt)
+
+
+def _run_one(job: dict[str, Any]) -> dict[str, Any] | None:
     entry = {k: v for k, v in job.items() if k != "at"}
     jobdef = lookup(entry["class"])
     if jobdef is None:
@@ -170,18 +179,24 @@ def _run(job: dict[str, Any]) -> None:
     if keep is not None:
         results.remember(keep[0], results.success(value, keep[0]))
     if "forkq_chain" in entry:
-        _continue_chain(entry, value)
+        return _continue_chain(entry, value)
+    return None
 
 
-def _continue_chain(entry: dict[str, Any], value: Any) -> None:
+def _continue_chain(entry: dict[str, Any], value: Any) -> dict[str, Any] | None:
     """Push a chained job's next step through the mode's own push, as a worker would
-    push it: fake() records it (drain() runs it), inline() runs it at once. A
-    continuation that cannot run raises here, where a worker parks it in dead."""
-    if client.test_push is None:  # the mode ended while the job ran
-        return
+    push it: fake() records it (drain() runs it); under inline() return it, for _run to
+    run next. A continuation that cannot run raises here, where a worker parks it in dead."""
+    push = client.test_push
+    if push is None:  # the mode ended while the job ran
+        return None
     nxt = chains.next_payload(entry["forkq_chain"], value, time.time())
+    encoded = chains.encode(nxt)
+    if getattr(push, "runs_now", False):
+        return payload.parse(encoded)  # as a worker would read it back
     queue = nxt["queue"]
-    client.test_push([("SADD", keys.QUEUES, queue), ("LPUSH", keys.queue(queue), chains.encode(nxt))])
+    push([("SADD", keys.QUEUES, queue), ("LPUSH", keys.queue(queue), encoded)])
+    return None
 
 
 def _pushed(commands: list[tuple]) -> list[tuple[dict[str, Any], float | None]]:
@@ -218,6 +233,7 @@ def inline() -> Iterator[None]:
         for job, _at in _pushed(commands):
             _run(job)
 
+    push.runs_now = True  # type: ignore[attr-defined]
     with _mode(push):
         yield
 

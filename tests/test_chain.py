@@ -363,6 +363,17 @@ def test_test_modes_run_the_steps_in_order(client, r):
     assert r.keys("queue:*") == [] and r.keys("forkq:result:*") == []
 
 
+def test_inline_runs_a_long_chain_without_nesting_a_frame_per_step(client, r):
+    """Under inline() each step ran inside the push of the one before: about 320 steps
+    overflowed the stack. 500 steps, each passing the running total on."""
+    with testing.inline():
+        jids = forkq.chain(add.call(0, 1), *[add.call(1) for _ in range(499)],
+                           pass_result=True).enqueue()
+    assert len(jids) == 500 and len(calls) == 500
+    assert calls[-1] == ["add", 1, 499]
+    calls.clear()
+
+
 def _sup_job(name: str, fn):
     return forkq.jobs.lookup(name) or forkq.job(name=name, retry=0)(fn)
 
