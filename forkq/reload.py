@@ -19,6 +19,7 @@ terminal's Ctrl-C stay the same. The caller stops its workers first, the normal 
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import site
@@ -244,6 +245,10 @@ def reexec(stop_pending: Callable[[], bool] | None = None) -> None:
         if stop_pending is not None and stop_pending():
             return
         os.chdir(cwd)
+        # an exec skips what an exit runs: an app's atexit handlers (stopping a process or
+        # a thread pool it started at import, flushing a client) would never run, and what
+        # they clean up would be orphaned by the new run, once per reload
+        atexit._run_exitfuncs()
         os.execve(sys.executable, argv, environ)
     finally:  # not exec'd: a signal held meanwhile is handled here
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)

@@ -131,10 +131,13 @@ def test_a_stop_asked_for_during_the_reload_ends_the_master_instead():
 # -- a real master ---------------------------------------------------------------------------
 
 JOBS = '''\
-import os, time
+import atexit, os, time
 import forkq, redis
 
 VERSION = {version}
+# what an app cleans up at exit, run once per code version, in the master that imported it
+atexit.register(lambda: redis.Redis.from_url(os.environ["FORKQ_REDIS_URL"]).rpush(
+    "reload:atexit", f"{{VERSION}}:{{os.getpid()}}"))
 
 @forkq.job
 def mark(n, hold=False):
@@ -189,6 +192,7 @@ def test_a_master_reloads_on_an_edit_keeps_its_pid_and_survives_a_syntax_error(r
         assert done().count("1:1") == 1 and [x for x in done() if x.endswith(":1")] == ["1:1"]
         assert [x.decode() for x in r.lrange("reload:started", 0, -1)].count("1:1") == 1
         assert log().count('"master started"') == 2 and log().count("reloading:") == 1
+        assert r.lrange("reload:atexit", 0, -1) == [f"1:{proc.pid}".encode()]
         assert int(pidfile.read_text()) == proc.pid
         assert {e["pid"] for e in map(json.loads, filter(None, log().splitlines()))
                 if e.get("event") == "master started"} == {proc.pid}
@@ -204,6 +208,8 @@ def test_a_master_reloads_on_an_edit_keeps_its_pid_and_survives_a_syntax_error(r
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
+        # the broken edit's run had nothing registered; the last one's ran at its exit
+        assert r.lrange("reload:atexit", 0, -1) == [f"{v}:{proc.pid}".encode() for v in (1, 2, 333)]
         assert not pidfile.exists()
         assert r.llen("queue:default") == 0
     finally:
