@@ -816,3 +816,20 @@ def stats(conn: redis.Redis, days: int = 7) -> Stats:
     return Stats(int(processed or 0), int(failed or 0), sum(int(n) for n in lengths),
                  int(scheduled), int(retry), int(dead_), int(procs), history,
                  sum(int(n) for n in suspects))
+
+
+# -- per-class job metrics --------------------------------------------------------------
+
+
+def job_metrics(conn: redis.Redis, minutes: int = 60, klass: str | None = None,
+                now: datetime | None = None) -> dict[str, Any]:
+    """Per-class job metrics of the last `minutes` UTC minutes (1 to 480, this minute
+    included), kept in Redis in Sidekiq 7's format by every forkq worker (and every
+    Sidekiq 7): {"minutes", "until", "buckets" (HH:MM, oldest first), "bucket_ms" (the
+    histogram's bounds), "classes": [{"class", "processed", "failed", "failure_pct",
+    "total_ms" and "avg_ms" (successful jobs only, as Sidekiq), "p50_ms", "p95_ms" (the
+    bound of the histogram bucket they fall in; None past the last bound, or for classes
+    past the 20 slowest), "histogram", "series": {"processed", "failed", "ms"} one value
+    per bucket}], most milliseconds first. `klass`: that class only. Two round trips."""
+    from . import jobmetrics
+    return jobmetrics.read(conn, minutes, klass, now)

@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import redis
 
-from . import jobprogress, keys, logs, scripts
+from . import jobmetrics, jobprogress, keys, logs, scripts
 from .fetch import UNREADABLE_PAUSES, raise_first, read_paused, refusal, writes_refused
 from .manager import REDIS_ERRORS, Manager
 from .payload import sendable
@@ -72,6 +72,8 @@ class Launcher:
         self.interval = interval
         self._flushed = (0, 0)
         self._proc = psutil.Process()
+        # per-class job metrics (jobmetrics.py), flushed in each beat's own transaction
+        self.jobs = jobmetrics.Flusher(p.jobs for p in manager.processors)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="forkq-heartbeat", daemon=True)
 
@@ -91,6 +93,7 @@ class Launcher:
     def final_flush(self) -> None:
         """The last stats, leave `processes`, drop the running-jobs hash (one try)."""
         pipe = self.redis.pipeline(transaction=True)
+        n = self.jobs.add(pipe)
         gone = [keys.workers(self.identity), keys.work(self.identity)]
         if self._thread.is_alive():
             # a beat the stop could not wait for (stuck on a frozen Redis) may land after
@@ -102,7 +105,9 @@ class Launcher:
             gone.append(keys.flushed(self.identity))  # nothing of a stopped process stays
         pipe.srem(keys.PROCESSES, self.identity)
         pipe.unlink(*gone)
-        pipe.execute()
+        result = pipe.execute(raise_on_error=False)
+        self.jobs.done(result[:n])
+        raise_first(result[n:])  # the metrics' refusals are theirs alone
         self._flushed = self._pending
 
     _stopping = False
@@ -175,6 +180,9 @@ class Launcher:
         rtt_us = int((time.perf_counter() - started) * 1_000_000)
         running = self.manager.running()
         pipe = self.redis.pipeline(transaction=True)
+        # first in the transaction, so their replies are the first n: the rest is read
+        # from the end, and their errors (a key of another type) fail nothing else
+        n = self.jobs.add(pipe)
         self._stats(pipe)
         # Both Sidekiq's names for the running jobs (6.4's and 6.5+'s), sent once and
         # copied in Redis (COPY keeps the expiry): a payload can be tens of MB, and each
@@ -219,6 +227,8 @@ class Launcher:
         pipe.hmget(keys.PAUSED, names)
         pipe.rpop(keys.signals(self.identity))
         result = pipe.execute(raise_on_error=False)
+        self.jobs.done(result[:n])
+        del result[:n]
         if asked:
             # before any error of the others is raised: a cancel is not held up by them
             requests = result.pop(-3 - len(names))
