@@ -1,6 +1,7 @@
-"""The admin commands: `forkq stats`, `queues`, `queue NAME`, `processes`, `busy`, `suspects`,
-`cron`, `batch`, `batches` and the dead, retry and schedule sets. Read-only views and bulk actions on
-what is in Redis, as tables for people and --json for scripts; the data comes from forkq.api."""
+"""The admin commands: `forkq stats`, `queues`, `queue NAME`, `processes`, `busy`, `metrics`,
+`suspects`, `cron`, `batch`, `batches` and the dead, retry and schedule sets. Read-only views
+and bulk actions on what is in Redis, as tables for people and --json for scripts; the data
+comes from forkq.api."""
 
 from __future__ import annotations
 
@@ -53,6 +54,12 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     sub.add_parser("queues", parents=[common], help="each queue: size, crash suspects, latency, paused or not")
     sub.add_parser("processes", parents=[common], help="live processes grouped by master")
     sub.add_parser("busy", parents=[common], help="the jobs running now, longest-running first")
+    p = sub.add_parser("metrics", parents=[common],
+                       help="per-class job metrics of the last minutes: runs, failures, time, "
+                            "p50/p95 (Sidekiq 7's metrics in Redis), most time first")
+    p.add_argument("--minutes", type=whole_number("--minutes", 1, 480), default=60,
+                   help="how many minutes back, this one included (default 60; Redis keeps 480)")
+    p.add_argument("--class", dest="klass", metavar="NAME", help="only this class")
     p = sub.add_parser("suspects", parents=[common],
                        help="a queue's crash suspects, next to run first, with their crash counts")
     p.add_argument("queue", type=nonempty, help="the queue whose suspects to list")
@@ -151,7 +158,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
                               help=argparse.SUPPRESS if verb in RUN_VERBS else MALFORMED_HELP)
 
 
-COMMANDS = ("stats", "queues", "processes", "busy", "suspects", "cron", "batch", "batches", "pause",
+COMMANDS = ("stats", "queues", "processes", "busy", "metrics", "suspects", "cron", "batch", "batches", "pause",
             "resume", "push", "job", "cancel", "queue", *SET_ACTIONS)
 
 
@@ -188,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         if args.command == "cancel":
             return _cancel(conn, args)
         data, table = {"stats": _stats, "queues": _queues, "processes": _processes,
-                       "busy": _busy, "suspects": _suspects, "cron": _cron,
+                       "busy": _busy, "metrics": _metrics, "suspects": _suspects, "cron": _cron,
                        "batches": _batches}[args.command](conn, args)
     except redis_errors() as exc:
         sys.stderr.write(f"forkq: {client.unreachable(client.mask_url(url), exc, url)}\n")
@@ -274,6 +281,29 @@ def _stats(conn, args):
                                     s.retries, s.dead, s.processes]])
     table += [""] + _table(["day (UTC)", "processed", "failed"], [list(h) for h in s.history])
     return data, table
+
+
+def _metrics(conn, args):
+    from . import api
+    data = api.job_metrics(conn, args.minutes, args.klass)
+    rows = [[c["class"], c["processed"], c["failed"], f"{c['failure_pct']:.1f}",
+             f"{c['total_ms'] / 1000:.1f}", "-" if c["avg_ms"] is None else f"{c['avg_ms']:.1f}",
+             _bound(c, "p50_ms"), _bound(c, "p95_ms")] for c in data["classes"]]
+    table = _table(["class", "processed", "failed", "failed %", "total s", "avg ms", "p50 ms",
+                    "p95 ms"], rows)
+    table.append(f"(last {data['minutes']} min to {data['buckets'][-1]} UTC; times of successful jobs"
+                 f"{'' if rows else '; no jobs recorded'})")
+    return data, table
+
+
+def _bound(row: dict, name: str) -> str:
+    """A quantile as its histogram bucket's bound: "<20", or ">335000" past the last."""
+    from .jobmetrics import BUCKET_MS
+    if row[name] is not None:
+        return f"<{row[name]}"
+    if row["histogram"] and sum(row["histogram"]):
+        return f">{BUCKET_MS[-1]}"
+    return "-"
 
 
 def _batch(conn, args) -> int:

@@ -106,6 +106,7 @@ class Dashboard:
             ("GET", "/search"): lambda r: views.search(self, r),
             ("GET", "/queues"): lambda r: views.queues_page(self, r),
             ("GET", "/batches"): lambda r: views.batches_page(self, r),
+            ("GET", "/metrics-by-class"): lambda r: views.metrics_page(self, r),
             ("POST", "/cancel"): lambda r: views.cancel_action(self, r),
             ("GET", "/login"): self.login_page,
             ("POST", "/login"): self.login,

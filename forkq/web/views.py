@@ -398,6 +398,27 @@ def batches_page(dash: "Dashboard", req: Request) -> Response:
                        limit=BATCHES_SHOWN, now=time.time())
 
 
+# the periods /metrics-by-class offers, in minutes: Sidekiq 7's (its keys live 8 hours)
+METRICS_PERIODS = (60, 120, 240, 480)
+
+
+def metrics_page(dash: "Dashboard", req: Request) -> Response:
+    """Per-class job metrics (api.job_metrics) over ?minutes= (one of METRICS_PERIODS):
+    every class, most time first; with ?class=, that class's minutes and histogram."""
+    minutes = req.int_arg("minutes", METRICS_PERIODS[0])
+    if minutes not in METRICS_PERIODS:
+        raise BadRequest(f"minutes must be one of {', '.join(map(str, METRICS_PERIODS))}")
+    klass = req.arg("class") or None
+    data = api.job_metrics(dash.redis(), minutes, klass)
+    minutes_shown = []
+    if klass is not None and data["classes"]:
+        s = data["classes"][0]["series"]
+        minutes_shown = [(b, p, f, ms) for b, p, f, ms in
+                         zip(data["buckets"], s["processed"], s["failed"], s["ms"]) if p]
+    return dash.render(req, "metrics.html", data=data, klass=klass, minutes=minutes,
+                       periods=METRICS_PERIODS, minutes_shown=minutes_shown[::-1])
+
+
 def batch_page(dash: "Dashboard", req: Request, bid: str) -> Response:
     """A batch's status (forkq.batch_status): its counts, its callbacks' state, and the
     last failure of each of its jobs that has not succeeded since."""

@@ -1,0 +1,213 @@
+"""Per-class job metrics in Redis (jobmetrics.py): counted per processor thread, flushed
+with the heartbeat in Sidekiq 7's keys, read by api.job_metrics, `forkq metrics` and the
+dashboard."""
+
+from __future__ import annotations
+
+import json
+import signal
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+import forkq
+from forkq import api, cli, hooks, jobmetrics, keys
+from forkq.jobmetrics import ClassTable, Flusher, histogram_key, minute_key
+from helpers import InProcessWorkers, wait_until
+
+QUEUE = "jmq"
+IDENTITY = "test:1:jobmetrics0a"
+BEAT_S = 0.1
+
+
+@forkq.job(queue=QUEUE, name="jm.Fast")
+def fast() -> None:
+    pass
+
+
+@forkq.job(queue=QUEUE, name="jm.Flaky", retry=False)
+def flaky(fail: bool) -> None:
+    if fail:
+        raise ValueError("flaky failed")
+
+
+@pytest.fixture
+def running(redis_url, monkeypatch):
+    """start(concurrency) -> (manager, launcher), beating every BEAT_S s."""
+    monkeypatch.setattr(hooks, "SERVER_MIDDLEWARE", [])
+    forkq.configure(redis_url)
+    workers = InProcessWorkers(redis_url, IDENTITY, QUEUE, BEAT_S)
+    try:
+        yield workers.start
+    finally:
+        workers.close()
+
+
+def _classes(conn, **kw) -> dict[str, dict]:
+    return {c["class"]: c for c in api.job_metrics(conn, **kw)["classes"]}
+
+
+def _flush(flusher: Flusher, r, at: datetime) -> None:
+    pipe = r.pipeline(transaction=True)
+    n = flusher.add(pipe, at)
+    flusher.done(pipe.execute()[:n])
+
+
+def _minutes_now() -> list[datetime]:
+    """This UTC minute and the one before: a beat may land on either side of a boundary."""
+    now = datetime.now(timezone.utc)
+    return [now, now - timedelta(minutes=1)]
+
+
+@pytest.mark.timeout(20)
+def test_exact_counts_per_class_in_the_api_and_the_cli_after_a_beat(running, r, capsys):
+    running(2)
+    for _ in range(3):
+        fast.enqueue()
+    for fail in (True, True, False):
+        flaky.enqueue(fail)
+
+    def counted():
+        got = _classes(r)
+        return ({k: (c["processed"], c["failed"]) for k, c in got.items()}
+                == {"jm.Fast": (3, 0), "jm.Flaky": (3, 2)})
+    wait_until(counted, timeout=10, message="3 Fast and 3 Flaky (2 failed) in the metrics")
+    got = _classes(r)
+    assert got["jm.Flaky"]["failure_pct"] == pytest.approx(66.7)
+    # Sidekiq's histogram counts successful jobs only: these no-op jobs are all under 20 ms
+    assert got["jm.Fast"]["histogram"][0] == 3 and got["jm.Flaky"]["histogram"][0] == 1
+    assert got["jm.Fast"]["p50_ms"] == got["jm.Fast"]["p95_ms"] == 20
+    assert sum(got["jm.Fast"]["series"]["processed"]) == 3
+    assert _classes(r, klass="jm.Flaky").keys() == {"jm.Flaky"}
+
+    capsys.readouterr()
+    assert cli.main(["metrics", "--json", "--minutes", "5"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["minutes"] == 5 and len(data["buckets"]) == 5
+    assert {c["class"]: c["processed"] for c in data["classes"]} == {"jm.Fast": 3, "jm.Flaky": 3}
+    assert cli.main(["metrics", "--class", "jm.Flaky"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["class", "processed", "failed", "failed"]
+    assert lines[1].split()[:4] == ["jm.Flaky", "3", "2", "66.7"]
+
+
+@pytest.mark.timeout(20)
+def test_keys_are_sidekiq_7s_per_utc_minute_and_expire(running, r):
+    running(1)
+    fast.enqueue()
+    wait_until(lambda: _classes(r).get("jm.Fast"), timeout=10, message="Fast in the metrics")
+    hashes = [minute_key(t) for t in _minutes_now()]
+    found = [k for k in hashes if r.hget(k, "jm.Fast|p") == b"1"]
+    assert len(found) == 1, hashes
+    at = _minutes_now()[hashes.index(found[0])]
+    assert found[0] == f"j|{at:%Y%m%d}|{at.hour}:{at.minute}"  # UTC, hour and minute unpadded
+    assert r.hexists(found[0], "jm.Fast|ms") and not r.hexists(found[0], "jm.Fast|f")
+    assert 0 < r.ttl(found[0]) <= 8 * 3600
+    hist = histogram_key("jm.Fast", at)
+    assert hist == f"jm.Fast-{at:%d}-{at:%H}:{at.minute}"
+    assert r.execute_command("BITFIELD_RO", hist, "GET", "u16", "#0") == [1]
+    assert 0 < r.ttl(hist) <= 8 * 3600
+
+
+def test_minute_keys_are_utc_whatever_the_clock_zone():
+    east = timezone(timedelta(hours=5, minutes=30))
+    at = datetime(2026, 3, 1, 4, 5, 59, tzinfo=east)  # 22:35 UTC the day before
+    assert minute_key(at) == "j|20260228|22:35"
+    assert histogram_key("A", at) == "A-28-22:35"
+    assert minute_key(datetime(2026, 3, 1, 8, 3, tzinfo=timezone.utc)) == "j|20260301|8:3"
+    assert histogram_key("A", datetime(2026, 3, 1, 8, 3, tzinfo=timezone.utc)) == "A-01-08:3"
+
+
+def test_buckets_and_sums_follow_sidekiqs_rules(r):
+    table = ClassTable()
+    for seconds, failed in ((0.0199, False), (0.020, False), (0.5, False), (400.0, False),
+                            (9.0, True)):
+        table.observe("K", "q", seconds, failed)
+    at = datetime(2026, 3, 1, 8, 3, tzinfo=timezone.utc)
+    flusher = Flusher([table])
+    _flush(flusher, r, at)
+    # a failure's time is left out of ms and of the histogram, as Sidekiq does
+    assert r.hgetall("j|20260301|8:3") == {b"K|p": b"5", b"K|f": b"1", b"K|ms": b"400540"}
+    got = r.execute_command("BITFIELD_RO", "K-01-08:3",
+                            *[a for i in range(26) for a in ("GET", "u16", f"#{i}")])
+    assert got[0] == 1 and got[1] == 1 and got[9] == 1 and got[25] == 1 and sum(got) == 4
+    # a second flush with nothing new writes nothing; a new job only its delta
+    assert flusher.add(r.pipeline(), at) == 0
+    table.observe("K", "q", 0.001, False)
+    _flush(flusher, r, at)
+    assert r.hget("j|20260301|8:3", "K|p") == b"6"
+    rows = api.job_metrics(r, minutes=3, now=at + timedelta(minutes=1, seconds=30))["classes"]
+    assert rows[0]["series"]["processed"] == [0, 6, 0]  # 8:02, 8:03, 8:04: oldest first
+    assert rows[0]["avg_ms"] == pytest.approx(400541 / 5, abs=0.1)
+    assert rows[0]["p95_ms"] is None  # past the last bound (335 s): Sidekiq's "Slow"
+
+
+@pytest.mark.timeout(20)
+def test_a_refused_metrics_write_fails_nothing_else_in_the_beat(redis_url, r, monkeypatch):
+    for at in _minutes_now() + [datetime.now(timezone.utc) + timedelta(minutes=1)]:
+        r.set(minute_key(at), "not a hash")  # HINCRBY answers WRONGTYPE
+    monkeypatch.setattr(hooks, "SERVER_MIDDLEWARE", [])
+    forkq.configure(redis_url)
+    workers = InProcessWorkers(redis_url, IDENTITY, QUEUE, beat_s=60)  # beats when told
+    try:
+        manager, launcher = workers.start(1)
+        signals: list[int] = []
+        launcher.on_signal = signals.append
+        fast.enqueue()
+        wait_until(lambda: manager.processors[0].processed == 1, timeout=10, message="the job run")
+        # one beat carries the job's metrics, its stats and the signal: the refusal of the
+        # first fails neither of the others
+        r.rpush(keys.signals(IDENTITY), "TSTP")
+        launcher.beat_soon()
+        wait_until(lambda: signals == [signal.SIGTSTP], timeout=10, message="the signal acted on")
+        assert r.get(keys.STAT_PROCESSED) == b"1"
+        # dropped, not kept to grow: and a read skips the minutes it cannot read
+        assert "jm.Fast" not in _classes(r)
+    finally:
+        workers.close()
+
+
+def test_a_class_name_redis_cannot_carry_is_written_escaped(r):
+    table = ClassTable()
+    table.observe("bad\udc80name", "q", 0.001, False)
+    table.observe("x" * 1000, "q", 0.001, False)
+    flusher = Flusher([table])
+    at = datetime(2026, 3, 1, 8, 3, tzinfo=timezone.utc)
+    _flush(flusher, r, at)
+    names = {c["class"] for c in api.job_metrics(r, 1, now=at)["classes"]}
+    assert names == {"bad\\udc80name", "x" * jobmetrics.NAME_MAX}
+
+
+def test_minutes_out_of_range_is_refused_before_redis():
+    with pytest.raises(ValueError, match="1 to 480"):
+        api.job_metrics(None, minutes=0)  # type: ignore[arg-type]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["metrics", "--minutes", "481"])
+    assert exc.value.code == 2
+
+
+def _get(dash, path: str, query: str = "") -> tuple[str, str]:
+    """A GET through the dashboard's WSGI callable, in this process: (status, body)."""
+    got = []
+    body = b"".join(dash({"REQUEST_METHOD": "GET", "PATH_INFO": path, "QUERY_STRING": query,
+                          "REMOTE_ADDR": "127.0.0.1", "wsgi.url_scheme": "http"},
+                         lambda status, headers: got.append(status)))
+    return got[0], body.decode()
+
+
+def test_the_dashboard_page_lists_classes_escaped_and_one_class_by_minute(r, redis_url):
+    from forkq.web.app import Dashboard
+    table = ClassTable()
+    for klass, seconds, failed in (("<script>x</script>", 0.05, False), ("Slow", 2.0, False),
+                                   ("Slow", 1.0, True)):
+        table.observe(klass, "q", seconds, failed)
+    _flush(Flusher([table]), r, datetime.now(timezone.utc))
+    dash = Dashboard(redis_url)
+    status, page = _get(dash, "/metrics-by-class")
+    assert status.startswith("200")
+    assert "<script>x" not in page and "&lt;script&gt;x&lt;/script&gt;" in page
+    assert page.index("Slow") < page.index("&lt;script&gt;")  # most time first
+    status, page = _get(dash, "/metrics-by-class", "minutes=120&class=Slow")
+    assert status.startswith("200")
+    assert "By minute (UTC)" in page and "2,500 ms" in page  # the 2 s job's bucket: under 2.5 s
+    assert _get(dash, "/metrics-by-class", "minutes=7")[0].startswith("400")
