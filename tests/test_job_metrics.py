@@ -211,3 +211,31 @@ def test_the_dashboard_page_lists_classes_escaped_and_one_class_by_minute(r, red
     assert status.startswith("200")
     assert "By minute (UTC)" in page and "2,500 ms" in page  # the 2 s job's bucket: under 2.5 s
     assert _get(dash, "/metrics-by-class", "minutes=7")[0].startswith("400")
+
+
+# Sidekiq 6.4 (the machine's ruby-sidekiq) knows nothing of these keys: its stats and Web
+# UI pages must work with them present
+SIDEKIQ_6_PAGES = """
+require "sidekiq"; require "sidekiq/api"; require "sidekiq/web"; require "rack/mock"
+s = Sidekiq::Stats.new
+puts "stats #{s.processed} #{s.failed}"
+%w[/ /busy /queues /morgue /retries /scheduled].each do |path|
+  puts "#{path} #{Rack::MockRequest.new(Sidekiq::Web.new).get(path, "rack.session" => {}).status}"
+end
+"""
+
+
+@pytest.mark.timeout(60)
+def test_sidekiq_6_stats_and_web_ui_work_beside_the_metrics_keys(sidekiq_ruby, r, redis_url):
+    import subprocess
+    table = ClassTable()
+    table.observe("Mailer", "q", 0.05, False)
+    table.observe("Mailer", "q", 0.05, True)
+    _flush(Flusher([table]), r, datetime.now(timezone.utc))
+    r.set(keys.STAT_PROCESSED, 2)
+    assert any(k.startswith(b"j|") for k in r.keys())
+    out = subprocess.run([sidekiq_ruby.ruby, "-e", SIDEKIQ_6_PAGES], capture_output=True, text=True,
+                         timeout=50, env=sidekiq_ruby._env(redis_url))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:7] == ["stats 2 0", "/ 200", "/busy 200", "/queues 200",
+                                          "/morgue 200", "/retries 200", "/scheduled 200"]
