@@ -141,12 +141,22 @@ class Flusher:
 
     def add(self, pipe: Any, now: datetime | None = None) -> int:
         """Queue the writes on `pipe`; returns how many commands (their replies come first
-        when called before anything else is queued). done() once the pipeline went."""
-        now = now or datetime.now(timezone.utc)
+        when called before anything else is queued). done() once the pipeline went. A
+        fault here queues nothing and is logged: the heartbeat goes on without metrics."""
+        try:
+            commands = self._commands(now or datetime.now(timezone.utc))
+        except Exception:
+            log.exception("could not gather per-class job metrics; the heartbeat goes without")
+            self._pending = None
+            return 0
+        for args in commands:
+            pipe.execute_command(*args)
+        return len(commands)
+
+    def _commands(self, now: datetime) -> list[tuple[Any, ...]]:
         totals = self._totals()
-        self._pending = totals
         jkey = minute_key(now)
-        n = 0
+        out: list[tuple[Any, ...]] = []
         for name, row in totals.items():
             before = self.sent.get(name)
             if before is None:
@@ -156,27 +166,21 @@ class Flusher:
             processed = failed + sum(counts)
             if processed <= 0:
                 continue
-            # from the running totals, rounded each time: no drift from rounding each delta
-            ms = round(row[S] * 1000) - round(before[S] * 1000)
-            pipe.hincrby(jkey, f"{name}|p", processed)
-            n += 1
+            out.append(("HINCRBY", jkey, f"{name}|p", processed))
             if failed:
-                pipe.hincrby(jkey, f"{name}|f", failed)
-                n += 1
+                out.append(("HINCRBY", jkey, f"{name}|f", failed))
             if any(counts):
-                pipe.hincrby(jkey, f"{name}|ms", ms)
+                # from the running totals, rounded each time: no drift from rounding deltas
+                ms = round(row[S] * 1000) - round(before[S] * 1000)
+                out.append(("HINCRBY", jkey, f"{name}|ms", ms))
                 hkey = histogram_key(name, now)
-                args: list[Any] = [hkey, "OVERFLOW", "SAT"]
-                for i, c in enumerate(counts):
-                    if c:
-                        args += ["INCRBY", "u16", f"#{i}", c]
-                pipe.execute_command("BITFIELD", *args)
-                pipe.expire(hkey, TTL_S)
-                n += 3
-        if n:
-            pipe.expire(jkey, TTL_S)
-            n += 1
-        return n
+                incr = [a for i, c in enumerate(counts) if c for a in ("INCRBY", "u16", f"#{i}", c)]
+                out.append(("BITFIELD", hkey, "OVERFLOW", "SAT", *incr))
+                out.append(("EXPIRE", hkey, TTL_S))
+        if out:
+            out.append(("EXPIRE", jkey, TTL_S))
+        self._pending = totals
+        return out
 
     def done(self, replies: list[Any]) -> None:
         """The pipeline went: what was added counts as sent, even where Redis refused it

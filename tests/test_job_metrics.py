@@ -178,6 +178,15 @@ def test_a_class_name_redis_cannot_carry_is_written_escaped(r):
     assert names == {"bad\\udc80name", "x" * jobmetrics.NAME_MAX}
 
 
+def test_a_fault_gathering_the_metrics_queues_nothing_on_the_beat(r):
+    class Broken:
+        @property
+        def rows(self):
+            raise RuntimeError("a bug")
+    pipe = r.pipeline(transaction=True)
+    assert Flusher([Broken()]).add(pipe) == 0 and len(pipe) == 0  # type: ignore[list-item]
+
+
 def test_minutes_out_of_range_is_refused_before_redis():
     with pytest.raises(ValueError, match="1 to 480"):
         api.job_metrics(None, minutes=0)  # type: ignore[arg-type]
