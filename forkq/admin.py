@@ -158,8 +158,8 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
                               help=argparse.SUPPRESS if verb in RUN_VERBS else MALFORMED_HELP)
 
 
-COMMANDS = ("stats", "queues", "processes", "busy", "metrics", "suspects", "cron", "batch", "batches", "pause",
-            "resume", "push", "job", "cancel", "queue", *SET_ACTIONS)
+COMMANDS = ("stats", "queues", "processes", "busy", "metrics", "suspects", "cron", "batch",
+            "batches", "pause", "resume", "push", "job", "cancel", "queue", *SET_ACTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
