@@ -133,7 +133,8 @@ class Job:
 
     def __init__(self, fn: Callable[..., Any], name: str, queue: str, retry: bool | int,
                  backtrace: bool | int, retry_in: RetryIn | None, retries_exhausted: Exhausted | None,
-                 client: Client | None, options: dict[str, Any], time_limit: float | None = None) -> None:
+                 client: Client | None, options: dict[str, Any], time_limit: float | None = None,
+                 iterable: bool = False) -> None:
         self.fn = fn
         self.name = name
         self.queue = queue
@@ -154,9 +155,18 @@ class Job:
         if self.is_async:
             from . import aio  # loaded only by an app with async jobs
             self.fn = aio.runner(fn, limited=time_limit is not None)
+        # a generator walked by forkq.iterate, which passes `cursor` itself
+        self.iterable = iterable
+        if iterable:
+            from . import iterate
+            self.fn = iterate.runner(fn, name)
         # (fewest, most) positional args the function takes, most None for *args; None when
         # its signature cannot be read: a push that could only fail when run is refused
         self.signature = _signature(fn)
+        if iterable and self.signature is not None:
+            # a push that names the cursor would clash with the one the worker passes
+            self.signature = self.signature.replace(parameters=[
+                p for p in self.signature.parameters.values() if p.name != "cursor"])
         self.arity = _arity(self.signature)
         # keyword-only parameters without a default: a push must name each of them
         self.keywords_required = _keywords_required(self.signature)
@@ -264,7 +274,8 @@ def job(fn: Callable[..., Any] | None = None, *, queue: str = "default", retry: 
         name: str | None = None, backtrace: bool | int = False, retry_in: RetryIn | None = None,
         retries_exhausted: Exhausted | None = None, client: Client | None = None,
         time_limit: float | None = None, unique_for: float | None = None,
-        unique_until: str = "success", keep_result: float | None = None, **options: Any) -> Any:
+        unique_until: str = "success", keep_result: float | None = None, iterable: bool = False,
+        **options: Any) -> Any:
     """Register a function as a job: bare `@job` or `@job(queue=..., retry=..., name=...)`.
 
     retry: True means Sidekiq's 25 attempts, False none, an int that many.
@@ -278,6 +289,10 @@ def job(fn: Callable[..., Any] | None = None, *, queue: str = "default", retry: 
     keep_result: seconds to keep the job's outcome in Redis once it ends (its return
     value, or its error if it leaves without success), for forkq.result(jid). See
     forkq.results.
+    iterable: the function is a generator that takes the cursor to resume from as the
+    keyword `cursor` (None at first) and yields the cursor after each item it finished; a
+    stop interrupts it between two items and it resumes from its last checkpoint. See
+    forkq.iterate.
     """
     payload.check_retry(retry)
     limit = _check_time_limit(time_limit)
@@ -291,9 +306,13 @@ def job(fn: Callable[..., Any] | None = None, *, queue: str = "default", retry: 
 
     def register(f: Callable[..., Any]) -> Job:
         jname = name or f"{f.__module__}.{f.__qualname__}"
-        _check_runnable(f, jname)
+        if iterable:
+            from . import iterate
+            iterate.check(f, jname)
+        else:
+            _check_runnable(f, jname)
         j = Job(f, jname, queue, retry, backtrace, retry_in, retries_exhausted, client,
-                payload.check_options(options), limit)  # at import, not at the first enqueue
+                payload.check_options(options), limit, iterable)  # at import, not at the first enqueue
         REGISTRY[jname] = j
         return j
 
@@ -330,7 +349,8 @@ def _check_runnable(f: Callable[..., Any], name: str) -> None:
                         "it runs none of its body); make it an async def without yield")
     if inspect.isgeneratorfunction(f):
         raise TypeError(f"@forkq.job {name}: a generator function cannot be a job (calling it "
-                        "runs none of its body); make it a plain def without yield")
+                        "runs none of its body); make it a plain def without yield, or, for a long "
+                        "job that yields a cursor after each item, @forkq.job(iterable=True)")
 
 
 def _signature(f: Callable[..., Any]) -> inspect.Signature | None:

@@ -218,6 +218,9 @@ class Manager:
         # and stop while the fetcher backs off after a failed claim
         self._fetcher_leads = True
         self._stopping = False  # quiet ends the claims; stop ends the fetch thread
+        # set as stop() begins (not by quiet): an iterable job reads it between two items
+        # and goes back to its queue with its checkpoint instead of running on (iterate.py)
+        self.stopping = False
         self._fetcher = threading.Thread(target=self._fetch_loop, name="forkq-fetcher", daemon=True)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -242,7 +245,7 @@ class Manager:
     def stop(self, deadline: float) -> bool:
         """Quiet, then wait until `deadline` (monotonic) for running jobs; True if all ended."""
         self.quiet()
-        self._stopping = True
+        self._stopping = self.stopping = True
         self._wake.set()
         self._fetcher.join(max(0.0, deadline - time.monotonic()))
         self.waiters.stop(max(0.0, deadline - time.monotonic()))

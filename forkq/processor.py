@@ -11,10 +11,11 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import batch, chains, hooks, keys, logs, payload, results, unique
+from . import batch, chains, hooks, iterate, keys, logs, payload, results, scripts, unique
 from .jobmetrics import ClassTable, observe_both
 from .errors import JobCancelled, MalformedPayload, OverLimit, TimeLimitExceeded, UnknownJob
 from .fetch import Unit
+from .iterate import Interrupted
 from .jobs import lookup
 from .metrics import JobTable
 from .retry import (MALFORMED_QUEUE, MESSAGE_LIMIT, Outcomes, cancel_message, cancel_request,
@@ -139,6 +140,13 @@ class Processor:
         self.cancelling = False
         self.cancel_request: Any = None  # the forkq:cancel entry of the last cancel raised here
         self.ident: int | None = None
+        # An iterable job (forkq.iterate): `iterating` is the `current` it runs under, so a
+        # cancel asks it to stop at its next yield first (`cancel_asked`, that same value);
+        # `iter_done` is (checkpoint key, jid) once it ran to its end with a checkpoint in
+        # Redis, which its ack deletes
+        self.iterating: Any = None
+        self.cancel_asked: Any = None
+        self.iter_done: tuple[str, str] | None = None
         self.thread = threading.Thread(target=self.run, name=f"forkq-processor-{index}", daemon=True)
         self._log_jobs = logs.enabled("info")
         # per-class counts for the Redis metrics the heartbeat flushes (jobmetrics.py)
@@ -238,7 +246,19 @@ class Processor:
         wrapped = job.get("wrapped")  # ActiveJob's real class, as payload.display_name
         self._observe(wrapped if type(wrapped) is str else name, unit.queue, _clock() - started,
                       self.failed != failed)
+        if self.iter_done is not None:  # the one test other jobs pay for iterable ones
+            after = self._iter_done(acked, after)
         return after if acked and after is not None else acked
+
+    def _iter_done(self, acked: bool, after: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        """An iterable job ran to its end with a checkpoint in Redis: its delete goes with
+        the ack (scripts/_after.lua), so a crash before the ack resumes rather than starts
+        over. Not acknowledged here (a chain's step, a result that could not be kept), the
+        checkpoint stays until its TTL: a run again resumes from it."""
+        done, self.iter_done = self.iter_done, None
+        if not acked or done is None:
+            return after
+        return done if after is None else (*after, *done)
 
     def _expired_in_batch(self, job: dict[str, Any], why: str) -> bool:
         """Count a batch job dropped unrun as its batch's failure before its ack; False if
@@ -332,6 +352,8 @@ class Processor:
             self.current = None
             if exc.__class__ is _GivenUp:
                 return False  # given up by the watchdog, which recorded its cancellation
+            if exc.__class__ is Interrupted:
+                return self._interrupted(unit, exc)
             if exc.__class__ is JobCancelled:
                 # it may have landed as _cancel_ended began: finish it (nothing more can land)
                 self.cancelling = False
@@ -390,6 +412,26 @@ class Processor:
         if self._log_jobs:
             log.info("done", elapsed_ms=round((time.perf_counter() - started) * 1000, 2))
         return True
+
+    def _interrupted(self, unit: Unit, exc: Interrupted) -> bool:
+        """An iterable job stopped between two items as its worker stops: its checkpoint
+        written, the job back at the head of its queue and its in-flight entry deleted, in
+        one call (scripts/iter_requeue.lua). No failure, no retry. False: nothing to ack; if
+        the call fails, the job stays in flight for the stop's final requeue, and resumes
+        from its last periodic checkpoint."""
+        fetch = self.manager.fetch
+        script = scripts.load(fetch.redis, "iter_requeue")  # rare: loaded when needed
+        try:
+            back = self.manager.write(script, [fetch.inflight_key, exc.key],
+                                      [unit.token, exc.state or "", iterate.TTL_S, keys.CRASH_PREFIX,
+                                       keys.SUSPECTS_PREFIX], patient=True)
+        except Exception as err:
+            log.error("could not put an interrupted iterable job back; it stays in flight for the "
+                      "stop's requeue", error=f"{type(err).__name__}: {err}")
+            return False
+        if self._log_jobs:
+            log.info("interrupted: back on its queue, to resume from its checkpoint", requeued=bool(back))
+        return False
 
     def _continue(self, unit: Unit, job: dict[str, Any], step: "chains.Next", value: Any,
                   started: float) -> bool:
@@ -473,6 +515,13 @@ class Processor:
         ident = self.ident
         if ident is None:
             return False
+        if self.iterating is cur and self.cancel_asked is not cur:
+            # an iterable job: it ends as cancelled at its next yield, cleanly, with no
+            # exception raised into its thread; one still running at the next beat gets it
+            self.cancel_request = request
+            self.cancel_asked = cur
+            self.cancelling = True
+            return True
         self.cancelling = True  # before the watchdog looks at the window: see _perform
 
         def in_job(armed: bool) -> bool:  # with the watchdog's lock held

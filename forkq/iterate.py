@@ -1,0 +1,197 @@
+"""Iterable jobs (`@forkq.job(iterable=True)`): long jobs that stop between two items and
+resume from a cursor instead of starting over.
+
+The job is a generator function. It gets the cursor to resume from as the keyword argument
+`cursor` (None on its first run) and yields, after each item it finished, the cursor that
+says "done up to here". The runner below walks it and:
+
+- keeps the last yielded cursor in `forkq:iter:JID` (JSON, with a TTL) at most every
+  FLUSH_S seconds, when the job raises, and when it is interrupted: never a round trip per
+  item;
+- between two items, reads two attributes: its worker is stopping (a graceful stop, TERM,
+  `forkq ctl stop`, a recycle), or an operator cancelled the job. On a stop it closes the
+  generator (its `finally` runs) and raises Interrupted, which the processor turns into one
+  Lua call (scripts/iter_requeue.lua): checkpoint written, job back at the head of its queue,
+  its in-flight entry gone. No failure, no retry used. On a cancel it closes the generator
+  and ends the job as cancelled, with no exception raised into the thread from outside;
+- at the next run (after a stop, a crash's recovery, a retry, a retry from dead) reads the
+  checkpoint and passes its cursor to the generator;
+- when the generator is exhausted, has the checkpoint deleted by the call that acknowledges
+  the job (scripts/_after.lua), so a crash in between resumes rather than starts over.
+
+Items must be idempotent, as any job must: a crash redoes the items after the last
+checkpoint (at most FLUSH_S seconds of them).
+
+Outside a worker (forkq.testing's fake and inline, a test calling the runner) the
+generator simply runs to its end."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import logs
+from .errors import JobCancelled
+
+PREFIX = "forkq:iter:"
+FLUSH_S = 5.0  # seconds between checkpoints while a job runs (as Sidekiq's iterable jobs)
+# a checkpoint outlives Sidekiq's 25 retries (about 20 days), as Sidekiq's it-JID hash does
+TTL_S = 30 * 86400
+
+log = logs.get("forkq.iterate")
+
+_job = logs._job
+_clock = time.monotonic
+
+
+class Interrupted(BaseException):
+    """Raised by an iterable job's runner at a yield once its worker is stopping; the
+    processor puts the job back with its checkpoint (Processor._interrupted). A
+    BaseException, so that a middleware's `except Exception` does not report it as the
+    job's error: it is no failure."""
+
+    def __init__(self, key: str | None, state: str | None) -> None:
+        super().__init__("interrupted by its worker's stop; back at the head of its queue")
+        self.key = key        # forkq:iter:JID
+        self.state = state    # the checkpoint's JSON, None if no item finished in this run
+
+
+def key_of(jid: str) -> str:
+    return PREFIX + jid
+
+
+def check(fn: Callable[..., Any], name: str) -> None:
+    """Refuse at decoration what cannot be an iterable job."""
+    import inspect
+    if inspect.isasyncgenfunction(fn):
+        raise TypeError(f"@forkq.job {name}: iterable=True takes a generator function (def with "
+                        "yield); an async generator cannot be an iterable job")
+    if not inspect.isgeneratorfunction(fn):
+        raise TypeError(f"@forkq.job {name}: iterable=True takes a generator function that yields "
+                        "the cursor after each item it finished; this one has no yield")
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return
+    p = params.get("cursor")
+    if p is None and not any(q.kind is q.VAR_KEYWORD for q in params.values()):
+        raise TypeError(f"@forkq.job {name}: an iterable job receives the cursor to resume from as "
+                        "the keyword argument `cursor` (None on its first run); add `cursor=None`")
+    if p is not None and p.kind is p.POSITIONAL_ONLY:
+        raise TypeError(f"@forkq.job {name}: `cursor` must be passable by keyword")
+
+
+def _dump(cursor: Any, name: str) -> str:
+    try:
+        return json.dumps({"cursor": cursor, "at": time.time()}, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"iterable job {name} yielded a cursor JSON cannot carry "
+                        f"({type(cursor).__name__}): {exc}") from None
+
+
+def _save(conn: Any, key: str, state: str) -> bool:
+    try:
+        conn.set(key, state, ex=TTL_S)
+    except Exception as exc:  # the job goes on; a crash now would redo a few more items
+        log.warning("could not write an iterable job's checkpoint; it carries on", key=key,
+                    error=f"{type(exc).__name__}: {exc}")
+        return False
+    return True
+
+
+def _load(conn: Any, key: str) -> tuple[bool, Any]:
+    """(found, cursor) of the checkpoint at `key`. A Redis error raises: the job then fails
+    and is retried, rather than starting over from the first item."""
+    raw = conn.get(key)
+    if raw is None:
+        return False, None
+    try:
+        return True, json.loads(raw)["cursor"]
+    except (ValueError, TypeError, KeyError) as exc:
+        log.warning("unreadable iterable-job checkpoint: starting from the first item", key=key,
+                    error=f"{type(exc).__name__}: {exc}")
+        return False, None
+
+
+def runner(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """What a worker calls for the iterable job `fn` (Job.fn): runs the generator as the
+    module docstring says and returns the generator's return value."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        current = getattr(_job, "current", None)
+        proc = current[4] if current is not None else None
+        manager = getattr(proc, "manager", None)
+        jid = current[0] if current is not None else None
+        if manager is None or type(jid) is not str:
+            # forkq.testing, or a payload without a jid to keep a checkpoint under
+            return _through(fn(*args, cursor=None, **kwargs))
+        key = PREFIX + jid
+        conn = manager.redis
+        found, cursor = _load(conn, key)
+        if found:
+            log.info("resuming from a checkpoint", cursor=repr(cursor)[:100])
+        gen = fn(*args, cursor=cursor, **kwargs)
+        me = proc.current
+        proc.iterating = me  # read by Processor.cancel: stop at the next yield
+        try:
+            return _walk(gen, manager, proc, me, conn, key, found, cursor, name)
+        finally:
+            proc.iterating = None
+
+    run.__wrapped__ = fn  # type: ignore[attr-defined]
+    return run
+
+
+def _through(gen: Any) -> Any:
+    try:
+        while True:
+            next(gen)
+    except StopIteration as stop:
+        return stop.value
+
+
+def _walk(gen: Any, manager: Any, proc: Any, me: Any, conn: Any, key: str, saved: bool,
+          cursor: Any, name: str) -> Any:
+    flush_at = _clock() + FLUSH_S
+    moved = False  # a cursor yielded since the last checkpoint written
+    nxt = gen.__next__
+    while True:
+        try:
+            cursor = nxt()
+        except StopIteration as stop:
+            if saved:
+                proc.iter_done = (key, key[len(PREFIX):])  # deleted with the job's ack
+            return stop.value
+        except BaseException:
+            if moved:  # a retry resumes after the last item that finished
+                _save(conn, key, _dump(cursor, name))
+            raise
+        if not moved:
+            moved = True
+            if not saved:
+                _dump(cursor, name)  # a cursor JSON cannot carry fails now, not in 5 s
+        # the one check an item pays: two attribute reads
+        if manager.stopping or proc.cancelling:
+            if manager.stopping:
+                state = _dump(cursor, name)
+                gen.close()  # its finally blocks run; one that raises fails the job
+                raise Interrupted(key, state)
+            if proc.cancel_asked is me:
+                _cancelled(gen, conn, key, _dump(cursor, name), proc)
+        now = _clock()
+        if now >= flush_at:
+            if _save(conn, key, _dump(cursor, name)):
+                saved = True
+                moved = False
+            flush_at = now + FLUSH_S
+
+
+def _cancelled(gen: Any, conn: Any, key: str, state: str, proc: Any) -> None:
+    """An operator cancelled the job: end it here, between two items, as cancelled. The
+    checkpoint is kept, so that a retry from dead resumes."""
+    from .retry import cancel_message
+    gen.close()
+    _save(conn, key, state)
+    raise JobCancelled(f"{cancel_message(proc.cancel_request)} (stopped between two items)")
