@@ -297,3 +297,42 @@ def test_the_decorator_refuses_generators_without_iterable_and_other_misuses():
             walk.enqueue(3, cursor=2)  # the worker passes the cursor
         with pytest.raises(TypeError, match="nothing was pushed"):
             walk.enqueue(3, 2)
+
+
+@pytest.mark.timeout(60)
+def test_a_real_master_stops_at_once_during_a_long_iterable_job_and_the_next_one_finishes_it(
+        redis_url, r, tmp_path):
+    """SIGTERM to a master whose child runs a 2-second iterable job (--timeout 25), 0.3 s
+    into it: the master exits at once (not after the job's 1.7 s left), the job back on its queue with its checkpoint;
+    a second master runs the rest, each item once in all."""
+    def recorded():
+        return [int(x.split()[0]) for x in r.lrange("iter:items", 0, -1)]
+
+    first = Master(redis_url, tmp_path / "m1", processes=1, concurrency=1,
+                   app=APPS / "iterate_jobs.py", args=["--timeout", "25"]).start()
+    second = None
+    try:
+        jid = forkq.Client(redis_url).push("iter.export", [200])
+        wait_until(lambda: first.check() and len(recorded()) >= 30, timeout=15, interval=0.02,
+                   message=f"30 items\n{first.tail()}")
+        t0 = time.monotonic()
+        first.signal(signal.SIGTERM)
+        assert first.wait(10) == 0
+        took = time.monotonic() - t0
+        assert took < 1.2, f"stopped in {took:.1f} s: it waited for the job\n{first.tail()}"
+        got = recorded()
+        assert len(got) < 200 and got == list(range(len(got)))
+        assert [json.loads(x)["jid"] for x in r.lrange("queue:default", 0, -1)] == [jid]
+        assert checkpoint(r, jid) == got[-1]
+
+        second = Master(redis_url, tmp_path / "m2", processes=1, concurrency=1,
+                        app=APPS / "iterate_jobs.py").start()
+        wait_until(lambda: second.check() and r.get(iterate.PREFIX + jid) is None, timeout=20,
+                   interval=0.05, message=f"the job finished\n{second.tail()}")
+        assert recorded() == list(range(200)), "each item exactly once"
+        assert len({x.split()[1] for x in r.lrange("iter:items", 0, -1)}) == 2  # two children
+        assert r.zcard("retry") == 0 and r.zcard("dead") == 0
+    finally:
+        for m in (first, second):
+            if m is not None:
+                m.kill()
