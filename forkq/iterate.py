@@ -170,8 +170,7 @@ def _walk(gen: Any, manager: Any, proc: Any, me: Any, conn: Any, key: str, saved
             raise
         if not moved:
             moved = True
-            if not saved:
-                _dump(cursor, name)  # a cursor JSON cannot carry fails now, not in 5 s
+            _dump(cursor, name)  # a cursor JSON cannot carry fails now, not in 5 s
         # the one check an item pays: two attribute reads
         if manager.stopping or proc.cancelling:
             if manager.stopping:
