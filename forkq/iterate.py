@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import logs
+from . import logs, payload
 from .errors import JobCancelled
 
 PREFIX = "forkq:iter:"
@@ -124,8 +124,9 @@ def runner(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         proc = current[4] if current is not None else None
         manager = getattr(proc, "manager", None)
         jid = current[0] if current is not None else None
-        if manager is None or type(jid) is not str:
-            # forkq.testing, or a payload without a jid to keep a checkpoint under
+        if manager is None or type(jid) is not str or not payload.sendable(jid):
+            # forkq.testing, or a payload without a jid to keep a checkpoint under (or one
+            # redis-py cannot send: its delete, batched with a claim, would fail every claim)
             return _through(fn(*args, cursor=None, **kwargs))
         key = PREFIX + jid
         conn = manager.redis
@@ -175,7 +176,11 @@ def _walk(gen: Any, manager: Any, proc: Any, me: Any, conn: Any, key: str, saved
         if manager.stopping or proc.cancelling:
             if manager.stopping:
                 state = _dump(cursor, name)
-                gen.close()  # its finally blocks run; one that raises fails the job
+                try:
+                    gen.close()  # its finally blocks run
+                except BaseException:  # one that raises fails the job: its retry resumes
+                    _save(conn, key, state)
+                    raise
                 raise Interrupted(key, state)
             if proc.cancel_asked is me:
                 _cancelled(gen, conn, key, _dump(cursor, name), proc)
@@ -191,6 +196,6 @@ def _cancelled(gen: Any, conn: Any, key: str, state: str, proc: Any) -> None:
     """An operator cancelled the job: end it here, between two items, as cancelled. The
     checkpoint is kept, so that a retry from dead resumes."""
     from .retry import cancel_message
-    gen.close()
     _save(conn, key, state)
+    gen.close()
     raise JobCancelled(f"{cancel_message(proc.cancel_request)} (stopped between two items)")

@@ -265,6 +265,13 @@ def test_json_cursors_and_return_values(world, r):
                                           "queue": QUEUE, "keep_result": 60}))
     assert forkq.result("j" * 24, timeout=5) == 6
     assert items() == [0, 1, 2, 3, 3, 4, 4, 5]
+    # a jid redis-py cannot send keeps no checkpoint: its delete, batched with the next
+    # claim, would fail every claim after it
+    done.clear()
+    r.lpush(f"queue:{QUEUE}", b'{"class":"it.cursorless","args":[2],"jid":"\\udc80x","queue":"itq"}')
+    wait_until(lambda: items() == [0, 1], timeout=5, message="the jid-less walk")
+    jid = dicts.enqueue(1)
+    assert forkq.result(jid, timeout=5) == 1, "claims go on"
 
 
 def test_inline_runs_the_generator_to_its_end(redis_url):
