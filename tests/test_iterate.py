@@ -9,7 +9,6 @@ test that SIGTERMs a real master."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
