@@ -3,9 +3,12 @@
 One thread, one loop (after gunicorn's arbiter): wait on the self-pipe (signals) and the
 children's report pipes, then handle signals, reap dead children (putting their private
 jobs back before forking a replacement), kill hung or oversized ones, and fork until
-every slot is filled. Children never see the master's signals directly: each command
-travels as one byte (a signal number) down a pipe the master holds to every child, and
-EOF on that pipe tells a child its master is gone.
+every slot is filled. A child retired on purpose (--max-memory, --max-jobs, HUP, a job
+interrupted) no longer fills its slot: its replacement is forked at once and claims jobs
+while the old one finishes its own, so a recycle costs no capacity. Children never see
+the master's signals directly: each command travels as one byte (a signal number) down a
+pipe the master holds to every child, and EOF on that pipe tells a child its master is
+gone.
 """
 
 from __future__ import annotations
@@ -63,7 +66,9 @@ class Child:
     busy: int = 0
     totals: tuple[int, int] | None = None  # jobs processed and failed, as last pinged
     ready: bool = False                    # has reported since its worker started
-    stopping_since: float | None = None   # told to stop (recycle) at this monotonic time
+    # told to stop (recycle) at this monotonic time: retired, it drains its running jobs
+    # beside its replacement and no longer fills its slot (Supervisor.occupants)
+    stopping_since: float | None = None
     reason: str = ""                       # why the master ended it: memory, jobs, hang, restart, time_limit, cancel
     # a job of it was interrupted: replace it, with this reason (time_limit, cancel)
     stuck: str | None = None
@@ -264,7 +269,7 @@ class Supervisor:
         if self.state != "running":
             return
         log.info("rolling restart of every child, one at a time")
-        self.recycle = sorted(c.slot for c in self.children.values())
+        self.recycle = sorted(c.slot for c in self.occupants())
 
     # -- --reload (see reload.py) -------------------------------------------------------
     def check_reload(self) -> None:
@@ -409,6 +414,15 @@ class Supervisor:
         self.pending_requeue.append((child.identity, crashed))
         held = self.requeue_pending().get(child.identity, (0, 0))
         slot = self.slots[child.slot]
+        if child.stopping_since is not None:
+            # retired: its replacement has had the slot since. One that failed to start
+            # meanwhile may have failed for want of what this child held (an on_fork hook
+            # binding a port per slot): the slot starts over now, forked into at once and
+            # with no streak, as when replacements waited for this exit. Its last_exit
+            # stays the failed start's.
+            slot.failures = 0
+            slot.next_spawn = 0.0
+            return
         slot.last_exit = f"{how}: {child.fatal}" if child.fatal else how
         lived = time.monotonic() - child.started
         # Only a child that never got going counts toward giving up: one that reported a
@@ -425,7 +439,11 @@ class Supervisor:
         self.give_up_if_no_slot_starts(slot)
 
     def give_up_if_no_slot_starts(self, slot: Slot) -> None:
-        if self.state == "running" and all(s.failures >= CRASH_LOOP_LIMIT for s in self.slots):
+        # not while a slot's retired child drains: its replacement's failed starts may be
+        # for want of what that child holds, and the slot starts over at its exit
+        draining = self.draining_slots()
+        if self.state == "running" and all(s.failures >= CRASH_LOOP_LIMIT and i not in draining
+                                           for i, s in enumerate(self.slots)):
             sys.stderr.write(
                 f"forkq: every child died within {self.settings.boot_window:g}s of starting, "
                 f"or could not be forked, {CRASH_LOOP_LIMIT} times in a row "
@@ -559,14 +577,35 @@ class Supervisor:
             self._redis = client.connect(self.settings.redis_url, socket_timeout=REDIS_TIMEOUT_S)
         return self._redis
 
+    def occupants(self) -> list[Child]:
+        """The child filling each filled slot: every child but the retired ones, which
+        drain their jobs beside their replacements (at most one per slot, as spawn_missing
+        fills a slot only when it has none)."""
+        return [c for c in self.children.values() if c.stopping_since is None]
+
+    def draining_slots(self) -> set[int]:
+        """Slots whose retired child is still finishing its jobs."""
+        return {c.slot for c in self.children.values() if c.stopping_since is not None}
+
+    def all_up(self) -> bool:
+        """Every slot has a child that has reported since its worker started."""
+        filling = self.occupants()
+        return len(filling) == len(self.slots) and all(c.ready for c in filling)
+
     def spawn_missing(self) -> None:
         if self.state not in ("running",):
             return
-        taken = {c.slot for c in self.children.values()}
-        now = time.monotonic()
-        for index, slot in enumerate(self.slots):
-            if index not in taken and now >= slot.next_spawn and self.state == "running":
+        for index in self.vacant_slots(time.monotonic()):
+            if self.state == "running":  # a failed fork may have made the master give up
                 self.spawn(index)
+
+    def vacant_slots(self, now: float) -> list[int]:
+        """Slots to fork a child into now: no child fills them, and no backoff holds them.
+        A retired child's slot is vacant at once: the replacement claims jobs while the old
+        child drains (else, with --processes 1, none started for up to --timeout)."""
+        taken = {c.slot for c in self.occupants()}
+        return [index for index, slot in enumerate(self.slots)
+                if index not in taken and now >= slot.next_spawn]
 
     def spawn(self, index: int) -> None:
         opened: list[int] = []
@@ -695,7 +734,9 @@ class Supervisor:
             return
         self._last_recycle_check = now
         if any(c.stopping_since is not None for c in self.children.values()):
-            return  # one recycle at a time keeps the other children working
+            # one recycle at a time: at most one child beyond --processes (the retired one
+            # draining), and a replacement that cannot start holds up the next retirement
+            return
         # one killed as hung this turn is not reaped yet: retired again, its death would be
         # counted under this reason instead of hang
         live = [c for c in self.children.values() if not c.reason]
@@ -710,8 +751,7 @@ class Supervisor:
         # Children reach --max-jobs at about the same time: as HUP's rolling restart does,
         # wait until the last replacement is up (a slot booting, or backing off after
         # failed starts, would otherwise take working children down with it)
-        if (most is not None and self.state == "running" and len(self.children) == len(self.slots)
-                and all(c.ready for c in self.children.values())):
+        if most is not None and self.state == "running" and self.all_up():
             # the counts each child pings about once a second: a child may run a few jobs
             # past the limit, and a recycle finishes the jobs it holds. Processed alone:
             # it counts every job that ended, the failed ones (the second count) among them
@@ -736,6 +776,9 @@ class Supervisor:
                 return
 
     def retire(self, child: Child, reason: str) -> None:
+        """Tell `child` to stop (its running jobs get --timeout) and free its slot: the next
+        turn of the loop forks its replacement, without waiting for it to exit. Its private
+        jobs are still put back when it exits or dies (child_exited)."""
         child.reason = reason
         child.stopping_since = time.monotonic()
         self.tell(child, signal.SIGTERM)
@@ -746,10 +789,10 @@ class Supervisor:
             return
         if any(c.stopping_since is not None for c in self.children.values()):
             return
-        if len(self.children) < len(self.slots) or not all(c.ready for c in self.children.values()):
+        if not self.all_up():
             return  # wait until the last replacement works before retiring the next
         slot = self.recycle.pop(0)
-        for child in self.children.values():
+        for child in self.occupants():
             if child.slot == slot:
                 self.retire(child, "restart")
                 return
@@ -769,7 +812,10 @@ class Supervisor:
 
     def set_title(self) -> None:
         busy = sum(c.busy for c in self.children.values())
-        title = (f"forkq master {self.app} [{len(self.children)}/{len(self.slots)} children, "
+        filling = len(self.occupants())
+        retired = len(self.children) - filling
+        title = (f"forkq master {self.app} [{filling}/{len(self.slots)} children, "
+                 f"{f'{retired} draining, ' if retired else ''}"
                  f"{busy} busy{', ' + self.state if self.state != 'running' else ''}]")
         if title != getattr(self, "_title", None):
             self._title = title
@@ -779,8 +825,7 @@ class Supervisor:
 
     def notify_systemd(self) -> None:
         """Type=notify: READY once every slot's child is up, WATCHDOG while all is well."""
-        if (not self._ready_sent and self.state == "running" and len(self.children) == len(self.slots)
-                and all(c.ready for c in self.children.values())):
+        if not self._ready_sent and self.state == "running" and self.all_up():
             self._ready_sent = True
             systemd.ready(self._title[len("forkq master "):])
             log.info("all children up", processes=len(self.slots))
@@ -799,8 +844,10 @@ class Supervisor:
     def healthy(self, now: float) -> bool:
         """No slot in a crash loop and every child pinging: what the systemd watchdog vouches for."""
         # a child being retired (HUP, --max-memory) stops pinging while it drains its jobs
-        # for up to --timeout; enforce_stop_deadline bounds that, not the hang timeout
-        return (all(s.failures == 0 for s in self.slots)
+        # for up to --timeout; enforce_stop_deadline bounds that, not the hang timeout. Its
+        # replacement's failed starts are judged once it has exited (child_exited)
+        draining = self.draining_slots()
+        return (all(s.failures == 0 or i in draining for i, s in enumerate(self.slots))
                 and all(now - c.last_ping < self.settings.hang_timeout
                         for c in self.children.values() if c.stopping_since is None))
 

@@ -1,0 +1,227 @@
+"""A recycled child's replacement works while the old child drains: no capacity gap.
+
+The master retires a child (--max-jobs, --max-memory, HUP, a job interrupted) by telling it
+to stop; the old child finishes its running jobs for up to --timeout. Its slot is filled
+again at once, so jobs pushed meanwhile start in the replacement instead of waiting for the
+old child's longest job. Two real masters (tests/test_supervisor.py's harness) show it with
+--processes 1, and the master's bookkeeping around it is checked in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from forkq.settings import STOP_GRACE_S, Settings
+from forkq.supervisor import Supervisor
+from helpers import wait_until
+from test_supervisor import (APPS, _pid_gone, _pinging_children, _ping, _recycle_now,  # noqa: F401
+                             assert_clean, push, start_master, sup_events, wait_event)
+
+APP = APPS / "recycle_jobs.py"
+
+
+def _release(r, tag: str) -> None:
+    r.set(f"recycle:release:{tag}", 1)
+
+
+def _overlap(m, r, redis_url) -> tuple[int, int]:
+    """--processes 1 --concurrency 2 --max-jobs 1: the child holds `long` (held until the
+    test releases it) when its other thread finishes its first job, and is retired for it.
+    Returns (old pid, new pid) once the replacement's worker has started, `long` still held."""
+    (old,) = m.wait_slots().values()
+    push(redis_url, "recycle.hold", "long")
+    wait_event(r, m, "start", "long")
+    push(redis_url, "recycle.quick", "warm")
+    wait_event(r, m, "done", "warm")
+    wait_until(lambda: m.check() and m.log_events("stopping", pid=old), timeout=10,
+               message=f"the child retired at --max-jobs 1\n{m.tail()}")
+    new = wait_until(lambda: m.check() and [e["pid"] for e in m.log_events("worker started")
+                                             if e["pid"] != old],
+                     timeout=5, message=f"a replacement working while the old child drains\n{m.tail()}")
+    assert not sup_events(r, "done", "long") and not _pid_gone(old)
+    return old, new[0]
+
+
+@pytest.mark.timeout(40)
+def test_a_job_pushed_while_a_recycled_child_drains_starts_in_its_replacement(start_master, redis_url, r):
+    """With one process, a job pushed while the retired child drains its long job starts
+    at once in the replacement (it waited for the long job before: up to --timeout). TSTP
+    then quiets the replacement too; the old child finishes its job and exits as retired;
+    every job ran once and the recycle is counted as `jobs`."""
+    m = start_master(processes=1, concurrency=2, app=APP, args=["--max-jobs", "1", "--timeout", "10"])
+    old, new = _overlap(m, r, redis_url)
+    wait_until(lambda: "[1/1 children, 1 draining, " in m.title(), timeout=5,
+               message=f"the title counts the slot once and the old child as draining: {m.title()}")
+
+    push(redis_url, "recycle.quick", "short")
+    (short,) = wait_event(r, m, "start", "short", timeout=5)
+    assert short["pid"] == new
+    assert not sup_events(r, "done", "long"), "the short job only started once the long one ended"
+
+    m.signal(signal.SIGTSTP)  # reaches both; the draining child is quiet already
+    wait_until(lambda: m.log_events("quiet: no new jobs will start", pid=new), timeout=5,
+               message=f"the replacement quiet\n{m.tail()}")
+    push(redis_url, "recycle.quick", "while-quiet")
+
+    _release(r, "long")
+    (done,) = wait_event(r, m, "done", "long")
+    assert done["pid"] == old
+    (exited,) = wait_until(lambda: m.log_events("child exited", child_pid=old), timeout=10,
+                           message=f"the old child exited\n{m.tail()}")
+    assert (exited["reason"], exited["how"]) == ("jobs", "exit 0")
+    assert _pid_gone(old)
+    wait_until(lambda: "[1/1 children, 0 busy, quiet]" in m.title(), timeout=5,
+               message=f"one child left: {m.title()}")
+    assert [e["child_pid"] for e in m.log_events("child started")][1:] == [new], "one replacement"
+
+    m.signal(signal.SIGTERM)
+    assert m.wait(15) == 0
+    for tag in ("long", "warm", "short"):
+        assert len(sup_events(r, "start", tag)) == 1 and len(sup_events(r, "done", tag)) == 1, tag
+    assert not sup_events(r, "start", "while-quiet") and r.llen("queue:default") == 1
+    (stopped,) = m.log_events("master stopped")
+    assert stopped["restarts"] == {"jobs": 1} and stopped["requeued"] == 0
+    assert_clean(r, m)
+
+
+@pytest.mark.timeout(40)
+def test_a_retired_child_killed_while_it_drains_gives_its_jobs_back_and_gets_no_second_replacement(
+        start_master, redis_url, r):
+    """SIGKILLed during its drain, the old child's jobs go back as after any death (the
+    job runs again, once, in the replacement), and its slot, already filled, gets no
+    second replacement. (The replacement, already running, learns of the suspect at its
+    next heartbeat: a short one keeps the test short.)"""
+    m = start_master(processes=1, concurrency=2, app=APP,
+                     args=["--max-jobs", "1", "--timeout", "10", "--heartbeat-interval", "0.5"])
+    old, new = _overlap(m, r, redis_url)
+    os.kill(old, signal.SIGKILL)
+    (exited,) = wait_until(lambda: m.check() and m.log_events("child exited", child_pid=old), timeout=10,
+                           message=f"the old child reaped\n{m.tail()}")
+    assert (exited["reason"], exited["how"]) == ("jobs", "signal SIGKILL")
+    again = wait_event(r, m, "done", "long")
+    assert [(e["pid"], e["attempt"]) for e in sup_events(r, "start", "long")] == [(old, 1), (new, 2)]
+    assert [(e["pid"], e["attempt"]) for e in again] == [(new, 2)]
+    assert [c.pid for c in m.children()] == [new]
+    assert [e["child_pid"] for e in m.log_events("child started")][1:] == [new], "one replacement"
+
+    m.signal(signal.SIGTERM)
+    assert m.wait(15) == 0
+    (stopped,) = m.log_events("master stopped")
+    assert stopped["restarts"] == {"jobs": 1} and stopped["requeued"] == 1
+    assert_clean(r, m)
+
+
+# -- the master's bookkeeping, in-process (child records with real pipes, no processes) --------
+
+
+def _close(sup: Supervisor, made) -> None:
+    """The test's pipe ends, and the master's of the children it has not reaped (child_exited
+    closed the others: closed again, their numbers may be a Redis socket's by now)."""
+    os.close(sup._sig_r)
+    os.close(sup._sig_w)
+    for child, report_w, control_r in made:
+        os.close(report_w)
+        os.close(control_r)
+        if child.pid in sup.children:
+            os.close(child.report_r)
+            os.close(child.control_w)
+
+
+def _commands(control_r: int) -> bytes:
+    os.set_blocking(control_r, False)
+    try:
+        return os.read(control_r, 64)
+    except BlockingIOError:
+        return b""
+
+
+@pytest.mark.timeout(10)
+def test_a_retired_childs_slot_is_vacant_at_once_and_filled_once():
+    """spawn_missing forks into vacant_slots(): a retired child leaves its slot vacant at
+    once, its replacement fills it, and the slot counts one child (all_up, HUP's list) while
+    the old one drains. Still one recycle at a time; stop and quiet reach both."""
+    sup = Supervisor(Settings(processes=2, max_jobs=10, timeout=3))
+    made = _pinging_children(sup, range(2))
+    (old, old_w, old_control), (other, other_w, other_control) = made
+    try:
+        _ping(sup, old, old_w, b"B1 12 0\n")
+        _ping(sup, other, other_w, b"B0 3 0\n")
+        assert sup.all_up() and sup.vacant_slots(time.monotonic()) == []
+        _recycle_now(sup)
+        assert old.reason == "jobs" and _commands(old_control) == bytes([signal.SIGTERM])
+        assert sup.vacant_slots(time.monotonic()) == [0] and not sup.all_up()
+
+        made += _pinging_children(sup, range(2, 3))  # the replacement, forked into slot 0
+        new, new_w, new_control = made[2]
+        new.slot = 0
+        assert sup.vacant_slots(time.monotonic()) == [] and not sup.all_up()  # not ready yet
+        _ping(sup, new, new_w, b"B0 0 0\n")
+        assert sup.all_up() and sorted(c.pid for c in sup.occupants()) == sorted([other.pid, new.pid])
+
+        _ping(sup, other, other_w, b"B0 15 0\n")  # past --max-jobs too, while the old one drains
+        _recycle_now(sup)
+        assert other.stopping_since is None, "one recycle at a time"
+        sup.handle_hup()
+        assert sup.recycle == [0, 1]  # each slot once, not the draining child's again
+        sup.roll_restart()
+        assert new.stopping_since is None and other.stopping_since is None and sup.recycle == [0, 1]
+
+        sup.handle_quiet()
+        sup.handle_stop(signal.SIGTERM)
+        for _child, _w, control in made:
+            assert _commands(control) == bytes([signal.SIGTSTP, signal.SIGTERM])
+        assert sup.stop_deadline <= time.monotonic() + 3 + STOP_GRACE_S
+        assert sup.vacant_slots(time.monotonic()) == [] and sup.recycle == [0, 1]
+        sup.roll_restart()
+        assert sup.recycle == [] and new.stopping_since is None
+    finally:
+        _close(sup, made)
+
+
+@pytest.mark.timeout(10)
+def test_a_replacement_that_fails_to_start_backs_off_while_the_old_child_drains(redis_url):
+    """A replacement dying at start counts a failed start and backs off as any would. It
+    may fail for want of what the draining child holds (an on_fork hook binding a port per
+    slot), so the master neither gives up nor fails the watchdog over it until the old
+    child has exited; then the slot starts over, at once, and is judged as always."""
+    sup = Supervisor(Settings(processes=1, max_jobs=10, redis_url=redis_url))
+    made = _pinging_children(sup, range(1))
+    (old, old_w, _), = made
+    slot = sup.slots[0]
+
+    def failed_start(error: bytes) -> None:
+        made.extend(_pinging_children(sup, range(len(made), len(made) + 1)))
+        new, new_w, _ = made[-1]
+        new.slot = 0
+        _ping(sup, new, new_w, b"E" + error + b"\n")
+        del sup.children[new.pid]
+        sup.child_exited(new, 1 << 8)  # exit 1, never ready
+
+    try:
+        _ping(sup, old, old_w, b"B1 12 0\n")
+        _recycle_now(sup)
+        assert old.reason == "jobs"
+        backoffs = []
+        for _ in range(3):
+            failed_start(b"on_fork hook bind raised OSError: port in use")
+            backoffs.append(slot.next_spawn - time.monotonic())
+            assert sup.vacant_slots(time.monotonic()) == [] and sup.vacant_slots(slot.next_spawn) == [0]
+        assert slot.failures == 3 and backoffs == sorted(backoffs) and backoffs[0] > 0
+        assert sup.state == "running" and sup.healthy(time.monotonic()), "judged before the old child left"
+        assert sup.stats.restarts == {"crash": 3}
+
+        del sup.children[old.pid]
+        sup.child_exited(old, 0)
+        assert (slot.failures, sup.vacant_slots(time.monotonic())) == (0, [0])
+        assert slot.last_exit == "exit 1: on_fork hook bind raised OSError: port in use"
+        assert sup.stats.restarts == {"crash": 3, "jobs": 1}
+
+        for _ in range(3):  # with no child draining, a crash loop is one again
+            failed_start(b"on_fork hook bind raised OSError: port in use")
+        assert sup.state == "failed" and sup.exit_code == 1
+    finally:
+        _close(sup, made)
