@@ -308,13 +308,22 @@ class Collector:
                                     labels=["slot"])
         rss = GaugeMetricFamily("forkq_child_rss_bytes", "Resident memory of each child, shared pages included",
                                 labels=["slot"])
+        # summed per slot: while a recycled child drains, its replacement already works in
+        # the same slot, and one series per label set is all Prometheus takes
+        per_slot: dict[int, list[int]] = {}
         for c in children:
-            busy.add_metric([str(c.slot)], c.busy)
-            threads.add_metric([str(c.slot)], self.sup.settings.concurrency)
+            row = per_slot.setdefault(c.slot, [0, 0, 0])
+            row[0] += c.busy
+            row[1] += self.sup.settings.concurrency
             try:
-                rss.add_metric([str(c.slot)], psutil.Process(c.pid).memory_info().rss)
+                row[2] += psutil.Process(c.pid).memory_info().rss
             except psutil.Error:
                 pass  # it just died; the reaper will tell
+        for slot, (b, t, r) in per_slot.items():
+            busy.add_metric([str(slot)], b)
+            threads.add_metric([str(slot)], t)
+            if r:
+                rss.add_metric([str(slot)], r)
         yield busy
         yield threads
         yield rss

@@ -159,8 +159,16 @@ def test_a_retired_childs_slot_is_vacant_at_once_and_filled_once():
         new, new_w, new_control = made[2]
         new.slot = 0
         assert sup.vacant_slots(time.monotonic()) == [] and not sup.all_up()  # not ready yet
-        _ping(sup, new, new_w, b"B0 0 0\n")
+        _ping(sup, new, new_w, b"B2 0 0\n")
         assert sup.all_up() and sorted(c.pid for c in sup.occupants()) == sorted([other.pid, new.pid])
+        # the metrics endpoint: one series per slot (Prometheus takes no duplicates), the
+        # draining child's threads added to its replacement's
+        from forkq.metrics import Aggregates, Collector, QueueReader
+        families = {f.name: f for f in Collector(sup, Aggregates(), QueueReader(None))._children()}
+        assert [(s.labels, s.value) for s in families["forkq_busy_threads"].samples] == [
+            ({"slot": "0"}, 3), ({"slot": "1"}, 0)]
+        assert [s.labels["slot"] for s in families["forkq_threads"].samples] == ["0", "1"]
+        assert families["forkq_children"].samples[0].value == 3
 
         _ping(sup, other, other_w, b"B0 15 0\n")  # past --max-jobs too, while the old one drains
         _recycle_now(sup)
