@@ -400,8 +400,10 @@ class Supervisor:
             # a reason only when the master retired it (memory, restart): a plain stop has none
             extra = {"reason": child.reason} if child.reason else {}
             log.info("child exited", slot=child.slot, child_pid=child.pid, how=how, **extra)
-        if self.state != "stopping":
-            # not stopping and no reason of ours: every such exit is a crash (see above)
+        if self.state != "stopping" or child.stopping_since is not None:
+            # not stopping and no reason of ours: every such exit is a crash (see above). A
+            # retired child counts even when a stop began while it drained: its replacement
+            # was forked as it was retired, so it was replaced all the same
             reason = child.reason or "crash"
             self.stats.restarts[reason] = self.stats.restarts.get(reason, 0) + 1
         if child.totals is not None:

@@ -233,3 +233,32 @@ def test_a_replacement_that_fails_to_start_backs_off_while_the_old_child_drains(
         assert sup.state == "failed" and sup.exit_code == 1
     finally:
         _close(sup, made)
+
+
+@pytest.mark.timeout(10)
+def test_a_recycle_is_counted_when_a_stop_begins_while_the_old_child_drains(redis_url):
+    """The replacement was forked as the old child was retired: that child counts as
+    replaced (forkq_child_restarts_total, "master stopped") even if it exits after a stop
+    began. Before, only a stop before its exit counted it: a stop mid-drain lost it. The
+    replacement, ended by the stop, counts nothing, as any child a stop ends."""
+    sup = Supervisor(Settings(processes=1, max_jobs=10, redis_url=redis_url))
+    made = _pinging_children(sup, range(2))
+    (old, old_w, _), (new, new_w, _) = made
+    del sup.children[new.pid]  # forked below, into the slot the old child leaves
+    try:
+        _ping(sup, old, old_w, b"B1 12 0\n")
+        _recycle_now(sup)
+        assert old.reason == "jobs"
+        new.slot = 0
+        sup.children[new.pid] = new
+        _ping(sup, new, new_w, b"B0 0 0\n")
+        sup.handle_stop(signal.SIGTERM)
+
+        del sup.children[new.pid]
+        sup.child_exited(new, 0)
+        assert sup.stats.restarts == {}, "a stop ends the replacement: no restart"
+        del sup.children[old.pid]
+        sup.child_exited(old, 0)
+        assert sup.stats.restarts == {"jobs": 1}
+    finally:
+        _close(sup, made)
