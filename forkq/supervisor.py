@@ -590,9 +590,10 @@ class Supervisor:
         return {c.slot for c in self.children.values() if c.stopping_since is not None}
 
     def all_up(self) -> bool:
-        """Every slot has a child that has reported since its worker started."""
+        """Every slot has a child that has reported since its worker started, and that was
+        not just killed as hung (reaped later: HUP's next retirement could be it)."""
         filling = self.occupants()
-        return len(filling) == len(self.slots) and all(c.ready for c in filling)
+        return len(filling) == len(self.slots) and all(c.ready and not c.reason for c in filling)
 
     def spawn_missing(self) -> None:
         if self.state not in ("running",):

@@ -262,3 +262,27 @@ def test_a_recycle_is_counted_when_a_stop_begins_while_the_old_child_drains(redi
         assert sup.stats.restarts == {"jobs": 1}
     finally:
         _close(sup, made)
+
+
+@pytest.mark.timeout(10)
+def test_hups_rolling_restart_skips_a_child_just_killed_as_hung():
+    """murder_hung_children SIGKILLs a silent child and roll_restart runs later in the same
+    turn, before the reap: a HUP whose next slot was that child's retired it again, so its
+    death was counted (and logged, at info) as `restart`, not `hang`, and HUP's turn for its
+    slot went to a child already dead. Such a child is not up: the rolling restart waits
+    for its replacement, as for any slot that is not working."""
+    sup = Supervisor(Settings(processes=2))
+    made = _pinging_children(sup, range(2))
+    (hung, hung_w, _), (other, other_w, _) = made
+    try:
+        _ping(sup, hung, hung_w, b"B1 3 0\n")
+        _ping(sup, other, other_w, b"B0 3 0\n")
+        sup.handle_hup()
+        assert sup.recycle == [0, 1]
+        hung.reason = "hang"  # as murder_hung_children leaves it, the SIGKILL sent
+        sup.roll_restart()
+        assert hung.reason == "hang" and hung.stopping_since is None
+        assert other.stopping_since is None and sup.recycle == [0, 1], "nothing retired yet"
+        assert not sup.all_up()
+    finally:
+        _close(sup, made)
