@@ -234,6 +234,7 @@ class Worker:
         self.manager.limit_patience(deadline + STOP_GRACE_S - 1.0)
         self.launcher.info["quiet"] = True
         self.manager.quiet()
+        self.launcher.beat_soon()  # status shows it draining now, not at the next beat
         self.scheduler.stop()
         if self.cron is not None:
             self.cron.stop()

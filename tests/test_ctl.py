@@ -445,7 +445,7 @@ def test_ctl_quiet_shows_in_every_child_heartbeat_at_once_and_the_master_stays(s
 
 @pytest.mark.timeout(40)
 def test_ctl_stop_timeout_on_a_busy_master_exits_nonzero_saying_it_still_runs(start_master, r, redis_url, tmp_path):
-    m = start_master("--timeout", "30", processes=1)
+    m = start_master("--timeout", "30", "--heartbeat-interval", "20", processes=1)
     m.wait_ready(r)
     push(redis_url, "sup.sleep", "long", 60)
     wait_started(r, m, "long")
@@ -457,6 +457,9 @@ def test_ctl_stop_timeout_on_a_busy_master_exits_nonzero_saying_it_still_runs(st
     assert 1 <= waited < 10, waited
     m.check()                              # still draining its job: not killed by ctl
     assert read_pidfile(m.pidfile) == m.pid
+    # the draining child shows as quiet at once, not at its next beat, 20 s away
+    wait_until(lambda: {hb["quiet"] for hb in child_beats(r, m.pid).values()} == {"true"},
+               timeout=3, interval=0.05, message="the stopping child's heartbeat quiet")
 
 
 @pytest.mark.timeout(40)
