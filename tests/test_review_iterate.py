@@ -1,0 +1,63 @@
+"""Review of iterable jobs (forkq/iterate.py) at awkward moments: what an interrupted job
+keeps and loses (expiry, unique lock, batch, kept result), and forkq's own faults around
+it. In-process workers against the shared Redis, as tests/test_iterate.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+import forkq
+from forkq import iterate, keys
+from helpers import wait_until
+from test_iterate import QUEUE, checkpoint, done, items, stop, walk, world  # noqa: F401
+
+
+@pytest.mark.timeout(20)
+def test_an_interrupted_job_past_its_expires_at_resumes_rather_than_being_dropped(world, r):
+    """expires_at bounds when a run may start: a job forkq itself interrupted at a stop
+    has started, and its continuation must not be dropped half done as expired."""
+    manager, launcher = world("test:1:revExp000001")
+    jid = walk.options(expires_in=0.3).enqueue(400)
+    wait_until(lambda: len(done) >= 50, timeout=5, message="50 items")
+    expires_at = json.loads(r.lindex(f"queue:{QUEUE}", 0) or next(iter(
+        r.hvals(keys.inflight("test:1:revExp000001")))))["expires_at"]
+    wait_until(lambda: time.time() > expires_at + 0.01, timeout=2, message="its expiry, as it runs")
+    stop(manager, launcher)
+    first = items()
+    assert len(first) < 400 and checkpoint(r, jid) == first[-1]
+    back = json.loads(r.lindex(f"queue:{QUEUE}", -1))
+    assert back["jid"] == jid and "expires_at" not in back
+    world("test:1:revExp000002")
+    wait_until(lambda: r.llen(f"queue:{QUEUE}") == 0 and r.get(iterate.PREFIX + jid) is None,
+               timeout=10, message="the job resumed and finished")
+    assert items() == list(range(400)), "the rest of its items ran"
+
+
+@pytest.mark.timeout(20)
+def test_an_interrupted_job_keeps_its_unique_lock_batch_count_and_result_for_its_final_success(world, r):
+    """Interrupted, a unique job keeps its lock (it was put back, not done), a batch job is
+    not counted, a keep_result job keeps nothing; all three once it ran to its end."""
+    manager, launcher = world("test:1:revUBK000001")
+    jid = walk.options(unique_for=60, keep_result=60).enqueue(400)
+    batch = forkq.Batch(description="rev")  # unique jobs cannot join one: a second job
+    with batch:
+        walk.enqueue(400)
+    wait_until(lambda: len(done) >= 50, timeout=5, message="50 items")
+    stop(manager, launcher)
+    lock = next(iter(r.scan_iter("*unique*")))
+    assert r.get(lock).decode() == jid, "held while it waits to resume"
+    assert walk.options(unique_for=60).enqueue(400) is None, "a duplicate is refused"
+    st = forkq.batch_status(batch.bid)
+    assert st.pending == 1 and not st.failures and not st.success
+    assert r.llen(f"queue:{QUEUE}") == 2
+    with pytest.raises(forkq.ResultNotReady):
+        forkq.result(jid)
+    world("test:1:revUBK000002")
+    assert forkq.result(jid, timeout=10) is None
+    wait_until(lambda: forkq.batch_status(batch.bid).pending == 0, timeout=10, message="counted")
+    assert sorted(items()) == sorted(list(range(400)) * 2)
+    wait_until(lambda: r.get(lock) is None, timeout=5, message="the lock released at success")
