@@ -97,6 +97,16 @@ def unexpiring(raw: bytes | str) -> str:
         return ""
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def _fixed(cursor: Any) -> bool:
+    """True if `cursor` cannot have changed since it was yielded: a scalar, or a tuple of
+    scalars."""
+    t = type(cursor)
+    return t in _SCALARS or (t is tuple and all(type(c) in _SCALARS for c in cursor))
+
+
 def _dump(cursor: Any, name: str) -> str:
     try:
         return json.dumps({"cursor": cursor, "at": time.time()}, allow_nan=False)
@@ -180,7 +190,11 @@ def _walk(gen: Any, manager: Any, proc: Any, me: Any, conn: Any, key: str, saved
                 proc.iter_done = (key, key[len(PREFIX):])  # deleted with the job's ack
             return stop.value
         except BaseException:
-            if moved:  # a retry resumes after the last item that finished
+            # a retry resumes after the last item that finished; unless the cursor is a
+            # list or dict, which the failed item may have moved on in place (a page
+            # number bumped before the page's work): saved, it would skip that item. Then
+            # the checkpoint last written at a yield stands
+            if moved and _fixed(cursor):
                 _save(conn, key, _dump(cursor, name))
             raise
         if not moved:

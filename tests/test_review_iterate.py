@@ -61,3 +61,41 @@ def test_an_interrupted_job_keeps_its_unique_lock_batch_count_and_result_for_its
     wait_until(lambda: forkq.batch_status(batch.bid).pending == 0, timeout=10, message="counted")
     assert sorted(items()) == sorted(list(range(400)) * 2)
     wait_until(lambda: r.get(lock) is None, timeout=5, message="the lock released at success")
+
+
+pages: list[int] = []  # the pages `paged` finished
+page_fails: set[int] = set()  # the pages that fail once
+
+
+@forkq.job(queue=QUEUE, name="it.paged", iterable=True, retry=3, keep_result=60)
+def paged(n, cursor=None):
+    """Moves its dict cursor to the next page before working on it, as paging code does:
+    the cursor it yielded last changes in place while an item runs."""
+    cursor = cursor or {"page": -1}
+    while cursor["page"] + 1 < n:
+        cursor["page"] += 1
+        if cursor["page"] in page_fails:
+            page_fails.discard(cursor["page"])
+            raise ValueError(f"page {cursor['page']} failed")
+        pages.append(cursor["page"])
+        yield cursor
+    return "paged"
+
+
+@pytest.mark.timeout(20)
+def test_a_failure_never_checkpoints_a_cursor_the_failed_item_changed_in_place(world, r):
+    """The yielded dict, moved on by the item that then failed, said that item was done:
+    its retry skipped it. A failure keeps only a cursor that cannot have changed since its
+    yield; a mutable one resumes from the last checkpoint written at a yield."""
+    pages.clear()
+    page_fails.clear()
+    page_fails.add(5)
+    world("test:1:revPag000001")
+    jid = paged.enqueue(8)
+    entry = wait_until(lambda: r.zrange("retry", 0, -1), timeout=5, message="a retry entry")
+    assert pages == [0, 1, 2, 3, 4]
+    assert checkpoint(r, jid) in (None, {"page": 4}), "page 5 did not finish"
+    r.zrem("retry", entry[0])
+    r.lpush(f"queue:{QUEUE}", entry[0])  # the retry, due now
+    assert forkq.result(jid, timeout=5) == "paged"
+    assert sorted(set(pages)) == list(range(8)), "no page skipped"
