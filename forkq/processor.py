@@ -253,8 +253,9 @@ class Processor:
     def _iter_done(self, acked: bool, after: tuple[str, ...] | None) -> tuple[str, ...] | None:
         """An iterable job ran to its end with a checkpoint in Redis: its delete goes with
         the ack (scripts/_after.lua), so a crash before the ack resumes rather than starts
-        over. Not acknowledged here (a chain's step, a result that could not be kept), the
-        checkpoint stays until its TTL: a run again resumes from it."""
+        over. Not acknowledged here (a result that could not be kept), the checkpoint stays
+        until its TTL: a run again resumes from it. A chain's step had it deleted by the
+        call that pushed its next step (_continue)."""
         done, self.iter_done = self.iter_done, None
         if not acked or done is None:
             return after
@@ -440,6 +441,8 @@ class Processor:
         one call (never the batched ack: a crash between the two would run it again and
         push its successor twice). False either way: nothing is left to acknowledge, or
         the step stays in flight, unacknowledged, and runs again."""
+        if self.iter_done is not None:  # an iterable step's checkpoint goes in that call too
+            step.after = (*(step.after or ()), *self.iter_done)
         try:
             what = chains.advance(self.manager, self.outcomes, unit, job, step, value)
         except Exception as exc:

@@ -99,3 +99,17 @@ def test_a_failure_never_checkpoints_a_cursor_the_failed_item_changed_in_place(w
     r.lpush(f"queue:{QUEUE}", entry[0])  # the retry, due now
     assert forkq.result(jid, timeout=5) == "paged"
     assert sorted(set(pages)) == list(range(8)), "no page skipped"
+
+
+@pytest.mark.timeout(20)
+def test_a_chained_iterable_step_deletes_its_checkpoint_as_it_pushes_the_next_step(world, r,
+                                                                                  monkeypatch):
+    """A chained step is released by the call that pushes the next step, not the batched
+    ack: the checkpoint's delete goes in that call, rather than staying for 30 days."""
+    monkeypatch.setattr(iterate, "FLUSH_S", 0.005)
+    world("test:1:revChn000001")
+    jids = forkq.chain(walk.call(20), walk.call(3)).enqueue()
+    wait_until(lambda: len(done) == 23, timeout=5, message="both steps")
+    wait_until(lambda: r.hlen(keys.inflight("test:1:revChn000001")) == 0, timeout=5,
+               message="both acknowledged")
+    assert r.get(iterate.PREFIX + jids[0]) is None, "the first step's checkpoint"
