@@ -195,6 +195,9 @@ class Processor:
                      "the job's failure", queue=unit.queue, exc_info=exc)
         logs.clear_job()
         self.current = None
+        # an iterable job's checkpoint delete, pending for an ack this job will not have:
+        # left set, the next job's ack would take it, and this one's retry start over
+        self.iter_done = None
         job = payload.parse(unit.raw)  # it raised before this, or the fault came after it
         job["queue"] = unit.queue
         self.processed += 1

@@ -113,3 +113,31 @@ def test_a_chained_iterable_step_deletes_its_checkpoint_as_it_pushes_the_next_st
     wait_until(lambda: r.hlen(keys.inflight("test:1:revChn000001")) == 0, timeout=5,
                message="both acknowledged")
     assert r.get(iterate.PREFIX + jids[0]) is None, "the first step's checkpoint"
+
+
+@pytest.mark.timeout(20)
+def test_a_fault_after_an_iterable_job_ran_leaves_its_checkpoint_for_its_retry(world, r,
+                                                                             monkeypatch):
+    """forkq failing around a job it ran records the job's failure (_fault); the job's
+    checkpoint delete, pending for its ack, must not ride on the next job's ack: its
+    retry would start over."""
+    monkeypatch.setattr(iterate, "FLUSH_S", 0.005)
+    manager, _ = world("test:1:revFlt000001")
+    proc = manager.processors[0]
+    real = proc._observe
+    faults = [RuntimeError("a fault in forkq's bookkeeping")]
+
+    def observe(*a):
+        if faults:
+            raise faults.pop()
+        return real(*a)
+
+    monkeypatch.setattr(proc, "_observe", observe)
+    jid = walk.enqueue(20)
+    wait_until(lambda: r.zrange("retry", 0, -1), timeout=5, message="the fault recorded")
+    saved = checkpoint(r, jid)
+    assert saved is not None
+    walk.enqueue(1)  # the next job on that thread, and its ack
+    wait_until(lambda: len(done) == 21 and r.hlen(keys.inflight("test:1:revFlt000001")) == 0,
+               timeout=5, message="the next job acknowledged")
+    assert checkpoint(r, jid) == saved, "kept for the retry"
