@@ -23,7 +23,7 @@ Items must be idempotent, as any job must: a crash redoes the items after the la
 checkpoint (at most FLUSH_S seconds of them).
 
 Outside a worker (forkq.testing's fake and inline, a test calling the runner) the
-generator simply runs to its end."""
+generator simply runs to its end, its cursors checked for JSON as a worker checks them."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def runner(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         if manager is None or type(jid) is not str or not payload.sendable(jid):
             # forkq.testing, or a payload without a jid to keep a checkpoint under (or one
             # redis-py cannot send: its delete, batched with a claim, would fail every claim)
-            return _through(fn(*args, cursor=None, **kwargs))
+            return _through(fn(*args, cursor=None, **kwargs), name)
         key = PREFIX + jid
         conn = manager.redis
         found, cursor = _load(conn, key)
@@ -169,12 +169,19 @@ def runner(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     return run
 
 
-def _through(gen: Any) -> Any:
+def _through(gen: Any, name: str) -> Any:
+    """Walk `gen` to its end with no checkpoint. Each cursor is checked as a checkpoint
+    would encode it, so that an app's tests (forkq.testing) fail on one a worker fails on."""
+    nxt = gen.__next__
     try:
         while True:
-            next(gen)
-    except StopIteration as stop:
-        return stop.value
+            try:
+                cursor = nxt()
+            except StopIteration as stop:
+                return stop.value
+            _dump(cursor, name)
+    finally:
+        gen.close()  # at once, when a cursor was refused, rather than when collected
 
 
 def _walk(gen: Any, manager: Any, proc: Any, me: Any, conn: Any, key: str, saved: bool,

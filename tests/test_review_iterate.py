@@ -141,3 +141,23 @@ def test_a_fault_after_an_iterable_job_ran_leaves_its_checkpoint_for_its_retry(w
     wait_until(lambda: len(done) == 21 and r.hlen(keys.inflight("test:1:revFlt000001")) == 0,
                timeout=5, message="the next job acknowledged")
     assert checkpoint(r, jid) == saved, "kept for the retry"
+
+
+@forkq.job(queue=QUEUE, name="it.setcursor", iterable=True)
+def set_cursor(n, cursor=None):
+    for i in range(n):
+        yield i if i < 2 else {i}  # a set from the third item: no JSON carries it
+
+
+def test_testing_modes_refuse_a_cursor_json_cannot_carry_as_a_worker_does():
+    """A worker fails such a job at every run; inline() and fake()'s drain() ran it to its
+    end, and the app's tests passed."""
+    with forkq.testing.inline():
+        with pytest.raises(TypeError, match="JSON cannot carry"):
+            set_cursor.enqueue(3)
+    with forkq.testing.fake() as jobs:
+        set_cursor.enqueue(3)
+        with pytest.raises(TypeError, match="JSON cannot carry"):
+            jobs.drain()
+    with forkq.testing.inline():
+        set_cursor.enqueue(2)  # JSON cursors walk through as before
