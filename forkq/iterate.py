@@ -83,17 +83,18 @@ def check(fn: Callable[..., Any], name: str) -> None:
         raise TypeError(f"@forkq.job {name}: `cursor` must be passable by keyword")
 
 
-def unexpiring(raw: bytes | str) -> str:
+def unexpiring(raw: bytes | str) -> bytes | str:
     """The payload an interrupted job goes back with: without its expires_at, which bounds
     when a job may start, and this one started (forkq interrupted it, where it would
     otherwise have run on): dropped as expired, it would be left half done. '' to put it
-    back as fetched (no expiry, or a payload json cannot write back)."""
+    back as fetched (no expiry, or a payload json or UTF-8 cannot write back: NaN, a lone
+    surrogate escape, which redis-py would refuse to send)."""
     job = payload.parse(raw)
     if job.pop("expires_at", None) is None:
         return ""
     try:
-        return payload.dumps(job)
-    except ValueError:
+        return payload.dumps(job).encode("utf-8")
+    except ValueError:  # UnicodeEncodeError is one
         return ""
 
 

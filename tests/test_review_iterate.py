@@ -161,3 +161,13 @@ def test_testing_modes_refuse_a_cursor_json_cannot_carry_as_a_worker_does():
             jobs.drain()
     with forkq.testing.inline():
         set_cursor.enqueue(2)  # JSON cursors walk through as before
+
+
+def test_the_payload_put_back_drops_only_expires_at_and_falls_back_to_the_one_fetched():
+    assert iterate.unexpiring(b'{"class":"a","args":[1],"jid":"j"}') == ""  # as fetched
+    assert json.loads(iterate.unexpiring(
+        '{"class":"a","args":["\u00e9"],"jid":"j","expires_at":1.5}'.encode())) == {
+        "class": "a", "args": ["\u00e9"], "jid": "j"}
+    # what json or redis-py cannot write back goes back as fetched, not stays in flight
+    assert iterate.unexpiring(b'{"class":"a","args":[NaN],"jid":"j","expires_at":1}') == ""
+    assert iterate.unexpiring(b'{"class":"a","args":["\\udc80"],"jid":"j","expires_at":1}') == ""
