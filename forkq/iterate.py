@@ -9,10 +9,10 @@ says "done up to here". The runner below walks it and:
   FLUSH_S seconds, when the job raises, and when it is interrupted: never a round trip per
   item;
 - between two items, reads two attributes: its worker is stopping (a graceful stop, TERM,
-  `forkq ctl stop`, a recycle), or an operator cancelled the job. On a stop it closes the
-  generator (its `finally` runs) and raises Interrupted, which the processor turns into one
-  Lua call (scripts/iter_requeue.lua): checkpoint written, job back at the head of its queue,
-  its in-flight entry gone. No failure, no retry used. On a cancel it closes the generator
+  `forkq ctl stop`, a recycle), or an operator cancelled the job. On a stop it writes the
+  checkpoint, closes the generator (its `finally` runs) and raises Interrupted, which the
+  processor turns into one Lua call (scripts/iter_requeue.lua): job back at the head of its
+  queue, its in-flight entry gone (and the checkpoint written, if the first write failed). No failure, no retry used. On a cancel it closes the generator
   and ends the job as cancelled, with no exception raised into the thread from outside;
 - at the next run (after a stop, a crash's recovery, a retry, a retry from dead) reads the
   checkpoint and passes its cursor to the generator;
@@ -55,7 +55,7 @@ class Interrupted(BaseException):
     def __init__(self, key: str | None, state: str | None) -> None:
         super().__init__("interrupted by its worker's stop; back at the head of its queue")
         self.key = key        # forkq:iter:JID
-        self.state = state    # the checkpoint's JSON, None if no item finished in this run
+        self.state = state    # the checkpoint's JSON to write, None if written already
 
 
 def key_of(jid: str) -> str:
@@ -212,12 +212,17 @@ def _walk(gen: Any, manager: Any, proc: Any, me: Any, conn: Any, key: str, saved
         if manager.stopping or proc.cancelling:
             if manager.stopping:
                 state = _dump(cursor, name)
+                # kept before the close: a finally that outlasts the stop's --timeout is
+                # cut off with its process, and the job then resumes here, not from a
+                # checkpoint seconds old
+                kept = _save(conn, key, state)
                 try:
                     gen.close()  # its finally blocks run
                 except BaseException:  # one that raises fails the job: its retry resumes
-                    _save(conn, key, state)
+                    if not kept:
+                        _save(conn, key, state)
                     raise
-                raise Interrupted(key, state)
+                raise Interrupted(key, None if kept else state)
             if proc.cancel_asked is me:
                 _cancelled(gen, conn, key, _dump(cursor, name), proc)
         now = _clock()

@@ -171,3 +171,43 @@ def test_the_payload_put_back_drops_only_expires_at_and_falls_back_to_the_one_fe
     # what json or redis-py cannot write back goes back as fetched, not stays in flight
     assert iterate.unexpiring(b'{"class":"a","args":[NaN],"jid":"j","expires_at":1}') == ""
     assert iterate.unexpiring(b'{"class":"a","args":["\\udc80"],"jid":"j","expires_at":1}') == ""
+
+
+closing = threading.Event()  # set while `slow_close` is in its finally
+let_close = threading.Event()
+
+
+@forkq.job(queue=QUEUE, name="it.slowclose", iterable=True)
+def slow_close(n, cursor=None):
+    try:
+        for i in range(0 if cursor is None else cursor + 1, n):
+            time.sleep(0.002)
+            done.append((i, 0))
+            yield i
+    finally:
+        closing.set()
+        let_close.wait(10)  # a cleanup that outlasts the stop's --timeout
+
+
+@pytest.mark.timeout(20)
+def test_a_stop_cut_off_in_a_slow_finally_still_resumes_from_the_cursor_reached(world, r,
+                                                                                monkeypatch):
+    """The cursor is kept before the generator is closed: a finally that outlasts the
+    stop's timeout (the worker then puts its jobs back and exits) must not send the job
+    back to a checkpoint seconds old."""
+    from forkq.fetch import requeue_owner
+    monkeypatch.setattr(iterate, "FLUSH_S", 60)  # no periodic checkpoint in this test
+    closing.clear()
+    let_close.clear()
+    ident = "test:1:revSlw000001"
+    manager, launcher = world(ident)
+    try:
+        jid = slow_close.enqueue(5000)
+        wait_until(lambda: len(done) >= 50, timeout=5, message="50 items")
+        launcher.stop()
+        assert not manager.stop(time.monotonic() + 0.3), "a hard stop: the finally still runs"
+        assert closing.is_set()
+        requeue_owner(r, ident, [QUEUE])  # what the stopping worker does next, then it exits
+        assert checkpoint(r, jid) == items()[-1]
+    finally:
+        let_close.set()
