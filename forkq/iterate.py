@@ -126,10 +126,12 @@ def _save(conn: Any, key: str, state: str) -> bool:
     return True
 
 
-def _load(conn: Any, key: str) -> tuple[bool, Any]:
-    """(found, cursor) of the checkpoint at `key`. A Redis error raises: the job then fails
-    and is retried, rather than starting over from the first item."""
-    raw = conn.get(key)
+def _load(manager: Any, conn: Any, key: str) -> tuple[bool, Any]:
+    """(found, cursor) of the checkpoint at `key`. An outage is ridden out (as a job's
+    outcome is written): a job failed by it would use a retry (be dropped, with
+    retry=False) where a plain job, needing no Redis to start, would have run; and one
+    started without the checkpoint would begin again at its first item."""
+    raw = manager.write(conn.get, key)
     if raw is None:
         return False, None
     try:
@@ -155,7 +157,7 @@ def runner(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
             return _through(fn(*args, cursor=None, **kwargs), name)
         key = PREFIX + jid
         conn = manager.redis
-        found, cursor = _load(conn, key)
+        found, cursor = _load(manager, conn, key)
         if found:
             log.info("resuming from a checkpoint", cursor=repr(cursor)[:100])
         gen = fn(*args, cursor=cursor, **kwargs)

@@ -211,3 +211,40 @@ def test_a_stop_cut_off_in_a_slow_finally_still_resumes_from_the_cursor_reached(
         assert checkpoint(r, jid) == items()[-1]
     finally:
         let_close.set()
+
+
+@forkq.job(queue=QUEUE, name="it.blip", iterable=True, retry=False)
+def blip(n, cursor=None):
+    for i in range(n):
+        done.append((i, 0))
+        yield i
+
+
+@pytest.mark.timeout(30)
+def test_a_redis_outage_as_a_run_starts_is_ridden_out_not_the_jobs_failure(own_redis, monkeypatch):
+    """Reading the checkpoint is the one Redis call an iterable job makes before its first
+    item: an outage then failed the job (a retry used; dropped with retry=False), where a
+    plain job, needing no Redis to start, would have run."""
+    from forkq import hooks
+    from helpers import InProcessWorkers
+    done.clear()
+    down = threading.Event()
+
+    def outage(job, queue, next_):
+        if job["class"] == "it.blip" and not down.is_set():
+            own_redis.stop()  # the server goes away between the fetch and the run
+            down.set()
+        return next_()
+
+    monkeypatch.setattr(hooks, "SERVER_MIDDLEWARE", [outage])
+    forkq.configure(own_redis.url)
+    workers = InProcessWorkers(own_redis.url, "test:1:revBlp000001", QUEUE, 0.1)
+    try:
+        workers.start(1)
+        blip.enqueue(5)
+        assert down.wait(10)
+        own_redis.start()  # from this thread: the server dies with the thread that started it
+        wait_until(lambda: len(done) == 5, timeout=5, message="the job ran once Redis was back")
+        assert items() == [0, 1, 2, 3, 4]
+    finally:
+        workers.close()
