@@ -12,8 +12,9 @@ says "done up to here". The runner below walks it and:
   `forkq ctl stop`, a recycle), or an operator cancelled the job. On a stop it writes the
   checkpoint, closes the generator (its `finally` runs) and raises Interrupted, which the
   processor turns into one Lua call (scripts/iter_requeue.lua): job back at the head of its
-  queue, its in-flight entry gone (and the checkpoint written, if the first write failed). No failure, no retry used. On a cancel it closes the generator
-  and ends the job as cancelled, with no exception raised into the thread from outside;
+  queue, its in-flight entry gone (and the checkpoint written, if the first write failed).
+  No failure, no retry used. On a cancel it closes the generator and ends the job as
+  cancelled, with no exception raised into the thread from outside;
 - at the next run (after a stop, a crash's recovery, a retry, a retry from dead) reads the
   checkpoint and passes its cursor to the generator;
 - when the generator is exhausted, has the checkpoint deleted by the call that acknowledges

@@ -38,7 +38,7 @@ def test_an_interrupted_job_past_its_expires_at_resumes_rather_than_being_droppe
 
 
 @pytest.mark.timeout(20)
-def test_an_interrupted_job_keeps_its_unique_lock_batch_count_and_result_for_its_final_success(world, r):
+def test_an_interrupted_job_keeps_its_unique_lock_batch_count_and_result_for_its_end(world, r):
     """Interrupted, a unique job keeps its lock (it was put back, not done), a batch job is
     not counted, a keep_result job keeps nothing; all three once it ran to its end."""
     manager, launcher = world("test:1:revUBK000001")

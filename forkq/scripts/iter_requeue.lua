@@ -6,9 +6,10 @@
 -- queue's suspects list, as the final requeue (requeue_all.lua) would send it.
 -- KEYS[1] the in-flight hash, KEYS[2] the checkpoint key (forkq:iter:JID)
 -- ARGV[1] the job's in-flight field, ARGV[2] the checkpoint's JSON ('' when the runner
--- wrote it already, before closing the generator: the one there stays), ARGV[3] its TTL in seconds,
--- ARGV[4] crash-count key prefix, ARGV[5] suspects-list key prefix, ARGV[6] the payload to
--- put back instead of the one fetched ('' for that one): without its expires_at, as it started
+-- wrote it already, before closing the generator: the one there stays), ARGV[3] its TTL
+-- in seconds, ARGV[4] crash-count key prefix, ARGV[5] suspects-list key prefix, ARGV[6]
+-- the payload to put back instead of the one fetched ('' for that one): without its
+-- expires_at, as it started
 -- Returns 1 if the job was put back, 0 if its entry was gone (put back by someone else
 -- already: pushing it again would run it twice) or in no known form (left for the final
 -- requeue, which sends it to dead).
