@@ -241,5 +241,13 @@ def _cancelled(gen: Any, conn: Any, key: str, state: str, proc: Any) -> None:
     checkpoint is kept, so that a retry from dead resumes."""
     from .retry import cancel_message
     _save(conn, key, state)
-    gen.close()
-    raise JobCancelled(f"{cancel_message(proc.cancel_request)} (stopped between two items)")
+    cancelled = JobCancelled(f"{cancel_message(proc.cancel_request)} (stopped between two items)")
+    try:
+        gen.close()
+    except Exception as exc:
+        # the cancel wins: ended as this error, the job would go to retry with its request
+        # still pending, and walk on at each retry until a heartbeat cancelled it again
+        log.warning("the job's cleanup raised as it was cancelled; it ends cancelled all the same",
+                    error=f"{type(exc).__name__}: {exc}")
+        raise cancelled from exc
+    raise cancelled

@@ -248,3 +248,31 @@ def test_a_redis_outage_as_a_run_starts_is_ridden_out_not_the_jobs_failure(own_r
         assert items() == [0, 1, 2, 3, 4]
     finally:
         workers.close()
+
+
+@forkq.job(queue=QUEUE, name="it.messy", iterable=True)
+def messy(n, cursor=None):
+    try:
+        for i in range(n):
+            time.sleep(0.002)
+            done.append((i, 0))
+            yield i
+    finally:
+        raise ValueError("cleanup broke")  # at every end: the cancel's close too
+
+
+@pytest.mark.timeout(20)
+def test_a_cancel_wins_over_a_finally_that_raises_as_it_closes_the_job(world, r):
+    """Ending as that error instead, the job went to retry, its request still pending: each
+    retry walked more items until a heartbeat cancelled it again, and failed again."""
+    world("test:1:revMsy000001")
+    jid = messy.enqueue(5000)
+    wait_until(lambda: len(done) >= 20, timeout=5, message="20 items")
+    r.hsetnx(keys.CANCEL, jid, json.dumps({"at": time.time(), "by": "alice", "reason": "stop it"}))
+    wait_until(lambda: r.zcard("dead") or r.zcard("retry"), timeout=5, message="its end")
+    assert r.zcard("retry") == 0
+    dead = json.loads(r.zrange("dead", 0, -1)[0])
+    assert dead["jid"] == jid and dead["error_class"] == "forkq.JobCancelled"
+    assert "(stopped between two items)" in dead["error_message"]
+    assert not r.hexists(keys.CANCEL, jid)
+    assert checkpoint(r, jid) == items()[-1], "kept: a retry from dead resumes"
