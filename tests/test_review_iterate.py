@@ -13,7 +13,8 @@ import pytest
 import forkq
 from forkq import iterate, keys
 from helpers import wait_until
-from test_iterate import QUEUE, checkpoint, done, items, stop, walk, world  # noqa: F401
+from test_iterate import (QUEUE, at_gate, checkpoint, crashy, done, gate, items, stop,  # noqa: F401
+                          walk, world)
 
 
 @pytest.mark.timeout(20)
@@ -21,20 +22,22 @@ def test_an_interrupted_job_past_its_expires_at_resumes_rather_than_being_droppe
     """expires_at bounds when a run may start: a job forkq itself interrupted at a stop
     has started, and its continuation must not be dropped half done as expired."""
     manager, launcher = world("test:1:revExp000001")
-    jid = walk.options(expires_in=0.3).enqueue(400)
-    wait_until(lambda: len(done) >= 50, timeout=5, message="50 items")
-    expires_at = json.loads(r.lindex(f"queue:{QUEUE}", 0) or next(iter(
-        r.hvals(keys.inflight("test:1:revExp000001")))))["expires_at"]
-    wait_until(lambda: time.time() > expires_at + 0.01, timeout=2, message="its expiry, as it runs")
-    stop(manager, launcher)
-    first = items()
-    assert len(first) < 400 and checkpoint(r, jid) == first[-1]
+    jid = crashy.options(expires_in=1.0).enqueue(60)  # held at its item 30 until gate is set
+    assert at_gate.wait(5)
+    raw = next(iter(r.hvals(keys.inflight("test:1:revExp000001"))))
+    expires_at = json.loads(raw)["expires_at"]
+    wait_until(lambda: time.time() > expires_at + 0.01, timeout=3, message="its expiry, as it runs")
+    stopping = threading.Thread(target=stop, args=(manager, launcher))
+    stopping.start()
+    wait_until(lambda: manager.stopping, timeout=2, message="the stop begun")
+    gate.set()  # item 30 ends; the job is interrupted at its yield
+    stopping.join(5)
+    assert items() == list(range(31)) and checkpoint(r, jid) == 30
     back = json.loads(r.lindex(f"queue:{QUEUE}", -1))
     assert back["jid"] == jid and "expires_at" not in back
     world("test:1:revExp000002")
-    wait_until(lambda: r.llen(f"queue:{QUEUE}") == 0 and r.get(iterate.PREFIX + jid) is None,
-               timeout=10, message="the job resumed and finished")
-    assert items() == list(range(400)), "the rest of its items ran"
+    wait_until(lambda: items()[-1:] == [59], timeout=5, message="the job resumed and finished")
+    assert items() == list(range(60)), "the rest of its items ran"
 
 
 @pytest.mark.timeout(20)
