@@ -209,7 +209,7 @@ def test_a_stop_cut_off_in_a_slow_finally_still_resumes_from_the_cursor_reached(
         wait_until(lambda: len(done) >= 50, timeout=5, message="50 items")
         launcher.stop()
         assert not manager.stop(time.monotonic() + 0.3), "a hard stop: the finally still runs"
-        assert closing.is_set()
+        wait_until(closing.is_set, timeout=5, message="the generator closing")
         requeue_owner(r, ident, [QUEUE])  # what the stopping worker does next, then it exits
         assert checkpoint(r, jid) == items()[-1]
     finally:
