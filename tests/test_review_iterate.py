@@ -152,9 +152,11 @@ def set_cursor(n, cursor=None):
         yield i if i < 2 else {i}  # a set from the third item: no JSON carries it
 
 
-def test_testing_modes_refuse_a_cursor_json_cannot_carry_as_a_worker_does():
+def test_testing_modes_refuse_a_cursor_json_cannot_carry_as_a_worker_does(monkeypatch):
     """A worker fails such a job at every run; inline() and fake()'s drain() ran it to its
     end, and the app's tests passed."""
+    from forkq import hooks
+    monkeypatch.setattr(hooks, "SERVER_MIDDLEWARE", [])  # another module's, left registered
     with forkq.testing.inline():
         with pytest.raises(TypeError, match="JSON cannot carry"):
             set_cursor.enqueue(3)
