@@ -238,9 +238,9 @@ class Processor:
         self.current = (unit.queue, unit.raw, time.time(), job.get("jid"), unit.token)
         logs.set_job(job.get("jid"), payload.display_name(job), unit.queue, job, self)
         failed = self.failed
-        started = _clock()
+        started = _clock()  # one clock read for the job's log lines and its metrics
         try:
-            acked = self._perform(unit, job, name, jobdef, keep)
+            acked = self._perform(unit, job, name, jobdef, keep, started)
         finally:
             logs.clear_job()
         # counted once it ended, failed or not, as Sidekiq counts: a job cut off by a hard
@@ -314,8 +314,7 @@ class Processor:
         return True
 
     def _perform(self, unit: Unit, job: dict[str, Any], name: str, jobdef: Any,
-                 keep: tuple[str, int] | None = None) -> bool:
-        started = time.perf_counter()
+                 keep: tuple[str, int] | None, started: float) -> bool:
         if self._log_jobs:
             log.info("start")
         try:

@@ -248,3 +248,18 @@ def test_sidekiq_6_stats_and_web_ui_work_beside_the_metrics_keys(sidekiq_ruby, r
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:7] == ["stats 2 0", "/ 200", "/busy 200", "/queues 200",
                                           "/morgue 200", "/retries 200", "/scheduled 200"]
+
+
+def test_a_thread_keeps_500_classes_apart_and_counts_the_rest_as_other(r):
+    table = ClassTable()
+    for i in range(jobmetrics.CLASSES_MAX + 2):
+        table.observe(f"C{i}", "q", 0.001, False)
+    table.observe("C0", "q", 0.001, True)  # a class it keeps goes on in its own row
+    table.observe("late", "q", 0.05, False)
+    at = datetime(2026, 3, 1, 8, 3, tzinfo=timezone.utc)
+    _flush(Flusher([table]), r, at)
+    got = _classes(r, minutes=1, now=at)
+    assert len(got) == jobmetrics.CLASSES_MAX + 1 and "late" not in got
+    assert (got["C0"]["processed"], got["C0"]["failed"]) == (2, 1)
+    assert got[jobmetrics.OTHER]["processed"] == 3 and got[jobmetrics.OTHER]["histogram"][:4] == [2, 0, 0, 1]
+    assert sum(got[jobmetrics.OTHER]["series"]["ms"]) == 52
