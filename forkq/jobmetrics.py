@@ -177,15 +177,18 @@ class Flusher:
             failed = row[F] - before[F]
             counts = [a - b for a, b in zip(row[H:], before[H:])]
             processed = failed + sum(counts)
-            if processed <= 0:
-                continue
-            out.append(("HINCRBY", jkey, f"{name}|p", processed))
+            # from the running totals, rounded each time: no drift from rounding deltas.
+            # Sent whenever it grew, not only with a success of this beat: a beat that read
+            # the row between a job's count and its seconds sent the job without them
+            ms = round(row[S] * 1000) - round(before[S] * 1000)
+            succeeded = any(counts)
+            if processed > 0:
+                out.append(("HINCRBY", jkey, f"{name}|p", processed))
             if failed:
                 out.append(("HINCRBY", jkey, f"{name}|f", failed))
-            if any(counts):
-                # from the running totals, rounded each time: no drift from rounding deltas
-                ms = round(row[S] * 1000) - round(before[S] * 1000)
+            if ms or succeeded:  # a success writes the field, 0 too, as Sidekiq's does
                 out.append(("HINCRBY", jkey, f"{name}|ms", ms))
+            if succeeded:
                 hkey = histogram_key(name, now)
                 incr = [a for i, c in enumerate(counts) if c for a in ("INCRBY", "u16", f"#{i}", c)]
                 out.append(("BITFIELD", hkey, "OVERFLOW", "SAT", *incr))

@@ -263,3 +263,24 @@ def test_a_thread_keeps_500_classes_apart_and_counts_the_rest_as_other(r):
     assert (got["C0"]["processed"], got["C0"]["failed"]) == (2, 1)
     assert got[jobmetrics.OTHER]["processed"] == 3 and got[jobmetrics.OTHER]["histogram"][:4] == [2, 0, 0, 1]
     assert sum(got[jobmetrics.OTHER]["series"]["ms"]) == 52
+
+
+def test_a_jobs_seconds_read_after_its_count_go_with_a_later_beat(r):
+    # a beat that copies a row between observe()'s bucket count and its seconds (the
+    # processor thread preempted there) sends the job without its time: the time must go
+    # with a later beat, also one that has no new job of that class, or only a failure
+    table = ClassTable()
+    row = [0, 0.0] + [0] * jobmetrics.NB
+    table.rows["Long"] = row
+    flusher = Flusher([table])
+    at = datetime(2026, 3, 1, 8, 3, tzinfo=timezone.utc)
+    row[jobmetrics.H + 20] += 1  # a 60 s job, counted...
+    _flush(flusher, r, at)
+    row[jobmetrics.S] += 60.0    # ...then its seconds, after the beat read the row
+    _flush(flusher, r, at)
+    row[jobmetrics.H + 20] += 1  # again, and a failure arrives before the next beat
+    _flush(flusher, r, at)
+    row[jobmetrics.S] += 60.0
+    row[jobmetrics.F] += 1
+    _flush(flusher, r, at)
+    assert r.hgetall("j|20260301|8:3") == {b"Long|p": b"3", b"Long|f": b"1", b"Long|ms": b"120000"}
