@@ -249,6 +249,8 @@ def read(conn: Any, minutes: int = 60, klass: str | None = None,
     of `klass`) pipelined."""
     if type(minutes) is not int or not 1 <= minutes <= MINUTES_MAX:
         raise ValueError(f"minutes must be a whole number from 1 to {MINUTES_MAX}, not {minutes!r}")
+    if klass is not None:
+        klass = _name(klass)  # as it was written: cut, and escaped where UTF-8 cannot carry it
     now = (now or datetime.now(timezone.utc)).astimezone(timezone.utc).replace(second=0, microsecond=0)
     times = [now - timedelta(minutes=i) for i in range(minutes - 1, -1, -1)]  # oldest first
     pipe = conn.pipeline(transaction=False)

@@ -284,3 +284,20 @@ def test_a_jobs_seconds_read_after_its_count_go_with_a_later_beat(r):
     row[jobmetrics.F] += 1
     _flush(flusher, r, at)
     assert r.hgetall("j|20260301|8:3") == {b"Long|p": b"3", b"Long|f": b"1", b"Long|ms": b"120000"}
+
+
+def test_a_class_asked_for_is_looked_up_under_the_name_it_was_written_as(r, redis_url, capsys):
+    # written escaped and cut (see above): asking for the class as the payload names it
+    # finds it, and a lone surrogate is no UnicodeEncodeError (the CLI refuses argv that
+    # is not UTF-8 itself)
+    table = ClassTable()
+    table.observe("bad\udc80name", "q", 0.001, False)
+    table.observe("x" * 1000, "q", 0.001, True)
+    at = datetime.now(timezone.utc)
+    _flush(Flusher([table]), r, at)
+    assert _classes(r, minutes=2, klass="bad\udc80name").keys() == {"bad\\udc80name"}
+    assert _classes(r, minutes=2, klass="x" * 1000)["x" * jobmetrics.NAME_MAX]["failed"] == 1
+    forkq.configure(redis_url)
+    capsys.readouterr()
+    assert cli.main(["metrics", "--minutes", "2", "--class", "x" * 1000, "--json"]) == 0
+    assert [c["failed"] for c in json.loads(capsys.readouterr().out)["classes"]] == [1]
