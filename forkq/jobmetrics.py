@@ -28,6 +28,7 @@ these. Sidekiq 6.4 ignores them.
 from __future__ import annotations
 
 import math
+import threading
 from bisect import bisect_right
 from collections.abc import Iterable
 from datetime import datetime, timedelta, timezone
@@ -139,6 +140,10 @@ class Flusher:
         self._pending: dict[str, list[Any]] | None = None
         self._names: dict[str, str] = {}
         self._failing = False
+        # The final flush (launcher.final_flush) may run while a beat is stuck on a frozen
+        # Redis: both touch the state, and after it the beats neither add nor record
+        self._lock = threading.Lock()
+        self._final = False
 
     def _totals(self) -> dict[str, list[Any]]:
         totals: dict[str, list[Any]] = {}
@@ -152,16 +157,32 @@ class Flusher:
                 totals[name] = list(row) if have is None else [a + b for a, b in zip(have, row)]
         return totals
 
-    def add(self, pipe: Any, now: datetime | None = None) -> int:
+    def add(self, pipe: Any, now: datetime | None = None, final: bool = False,
+            stuck: bool = False) -> int:
         """Queue the writes on `pipe`; returns how many commands (their replies come first
-        when called before anything else is queued). done() once the pipeline went. A
-        fault here queues nothing and is logged: the heartbeat goes on without metrics."""
-        try:
-            commands = self._commands(now or datetime.now(timezone.utc))
-        except Exception:
-            log.exception("could not gather per-class job metrics; the heartbeat goes without")
-            self._pending = None
-            return 0
+        when called before anything else is queued). done() once the pipeline went, or
+        done(None) if it did not. A fault here queues nothing and is logged: the heartbeat
+        goes on without metrics.
+
+        `final`: the final flush's (again if it is retried). From then on the beats add
+        nothing, so a beat stuck at the stop that comes back sends no count twice.
+        `stuck`: a beat is still running; a transaction it queued and has no answer for is
+        taken as landing (Redis runs it before the final flush's, queued after it on the
+        same frozen server), so the final flush sends only what came after it."""
+        with self._lock:
+            if self._final and not final:
+                return 0
+            if final and not self._final:
+                self._final = True
+                if stuck and self._pending is not None:
+                    self.sent = self._pending
+                self._pending = None
+            try:
+                commands = self._commands(now or datetime.now(timezone.utc))
+            except Exception:
+                log.exception("could not gather per-class job metrics; the heartbeat goes without")
+                self._pending = None
+                return 0
         for args in commands:
             pipe.execute_command(*args)
         return len(commands)
@@ -198,13 +219,21 @@ class Flusher:
         self._pending = totals
         return out
 
-    def done(self, replies: list[Any]) -> None:
+    def done(self, replies: list[Any] | None, final: bool = False) -> None:
         """The pipeline went: what was added counts as sent, even where Redis refused it
         (a key of another type): sent again, it would be refused again, and kept, it
-        would grow. One log line as refusals start, not one a beat."""
-        if self._pending is not None:
-            self.sent = self._pending
-            self._pending = None
+        would grow. One log line as refusals start, not one a beat. None: the pipeline
+        did not go (its counts go with the next). `final`: the final flush's; after it, a
+        beat's is ignored."""
+        with self._lock:
+            if self._final and not final:
+                return
+            if replies is None:
+                self._pending = None
+                return
+            if self._pending is not None:
+                self.sent = self._pending
+                self._pending = None
         errors = [r for r in replies if isinstance(r, Exception)]
         if errors and not self._failing:
             log.error("could not write per-class job metrics (a key of another type?); "

@@ -93,9 +93,10 @@ class Launcher:
     def final_flush(self) -> None:
         """The last stats, leave `processes`, drop the running-jobs hash (one try)."""
         pipe = self.redis.pipeline(transaction=True)
-        n = self.jobs.add(pipe)
+        stuck = self._thread.is_alive()
+        n = self.jobs.add(pipe, final=True, stuck=stuck)
         gone = [keys.workers(self.identity), keys.work(self.identity)]
-        if self._thread.is_alive():
+        if stuck:
             # a beat the stop could not wait for (stuck on a frozen Redis) may land after
             # this: the flushed totals stay a minute, or finding them gone it would add its
             # jobs again (the master, finding them, adds only what a later ping shows)
@@ -106,7 +107,7 @@ class Launcher:
         pipe.srem(keys.PROCESSES, self.identity)
         pipe.unlink(*gone)
         result = pipe.execute(raise_on_error=False)
-        self.jobs.done(result[:n])
+        self.jobs.done(result[:n], final=True)
         raise_first(result[n:])  # the metrics' refusals are theirs alone
         self._flushed = self._pending
 
@@ -226,7 +227,11 @@ class Launcher:
         names = list(suspects)
         pipe.hmget(keys.PAUSED, names)
         pipe.rpop(keys.signals(self.identity))
-        result = pipe.execute(raise_on_error=False)
+        try:
+            result = pipe.execute(raise_on_error=False)
+        except BaseException:
+            self.jobs.done(None)  # their counts go with the next beat
+            raise
         self.jobs.done(result[:n])
         del result[:n]
         if asked:

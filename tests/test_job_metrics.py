@@ -301,3 +301,32 @@ def test_a_class_asked_for_is_looked_up_under_the_name_it_was_written_as(r, redi
     capsys.readouterr()
     assert cli.main(["metrics", "--minutes", "2", "--class", "x" * 1000, "--json"]) == 0
     assert [c["failed"] for c in json.loads(capsys.readouterr().out)["classes"]] == [1]
+
+
+def test_the_final_flush_beside_a_stuck_beat_counts_each_job_once(r):
+    # the stop could not wait for a beat stuck on a frozen Redis: its transaction, queued
+    # first, lands before the final flush's, and it may come back and beat once more
+    table = ClassTable()
+    flusher = Flusher([table])
+    at = datetime(2026, 3, 1, 8, 3, tzinfo=timezone.utc)
+    table.observe("K", "q", 0.001, False)
+    stuck = r.pipeline(transaction=True)
+    n = flusher.add(stuck, at)
+    table.observe("K", "q", 0.001, True)
+    final = r.pipeline(transaction=True)
+    assert flusher.add(final, at, final=True, stuck=True) == 3  # K|p, K|f, the EXPIRE
+    flusher.done(stuck.execute()[:n])  # the stuck beat lands first, then comes back
+    flusher.done(final.execute(), final=True)
+    assert flusher.add(r.pipeline(), at) == 0  # a beat after the final flush adds nothing
+    assert r.hgetall("j|20260301|8:3") == {b"K|p": b"2", b"K|f": b"1", b"K|ms": b"1"}
+
+    # a beat whose transaction failed before the stop: its counts go with the final flush
+    table = ClassTable()
+    flusher = Flusher([table])
+    table.observe("L", "q", 0.001, False)
+    assert flusher.add(r.pipeline(transaction=True), at) > 0
+    flusher.done(None)
+    final = r.pipeline(transaction=True)
+    n = flusher.add(final, at, final=True, stuck=True)
+    flusher.done(final.execute()[:n], final=True)
+    assert r.hget("j|20260301|8:3", "L|p") == b"1"
