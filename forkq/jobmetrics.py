@@ -3,9 +3,10 @@ one fails, minute by minute over the last hours, for a team without Prometheus.
 
 Recording. Each processor thread counts the jobs it runs in its own ClassTable (no lock,
 no syscall, no Redis: a dict lookup, a comparison or a bisect and two additions per job,
-timed once with what `--metrics-port` counts, from the clock read the job's log lines use). At each heartbeat the launcher sums the tables and adds what
-grew since its last beat to the heartbeat's own transaction (Flusher), so the metrics cost
-no round trip of their own. Reading a row while its thread bumps it is safe: each number
+timed once with what `--metrics-port` counts, from the clock read the job's log lines
+use). At each heartbeat the launcher sums the tables and adds what grew since its last
+beat to the heartbeat's own transaction (Flusher), so the metrics cost no round trip of
+their own. Reading a row while its thread bumps it is safe: each number
 only grows, so a count read a moment early goes with the next beat.
 
 Format: Sidekiq 7's (lib/sidekiq/metrics/tracking.rb, shared.rb and query.rb at tag
