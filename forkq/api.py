@@ -830,6 +830,7 @@ def job_metrics(conn: redis.Redis, minutes: int = 60, klass: str | None = None,
     "total_ms" and "avg_ms" (successful jobs only, as Sidekiq), "p50_ms", "p95_ms" (the
     bound of the histogram bucket they fall in; None past the last bound, or for classes
     past the 20 slowest), "histogram", "series": {"processed", "failed", "ms"} one value
-    per bucket}], most milliseconds first. `klass`: that class only. Two round trips."""
+    per bucket}], most milliseconds first. `klass`: that class only. A round trip per 30
+    minutes, and one for the histograms."""
     from . import jobmetrics
     return jobmetrics.read(conn, minutes, klass, now)

@@ -52,6 +52,7 @@ CLASSES_MAX = 500                # classes one thread keeps apart: payloads name
 NAME_MAX = 200                   # characters of a class name written to Redis
 MINUTES_MAX = 8 * 60             # what a read may ask for: the keys live 8 hours
 HISTOGRAM_CLASSES = 20           # classes a read fetches histograms for (the slowest)
+READ_CHUNK = 30                  # minute hashes a read asks for in one round trip
 
 # A row: failed, seconds of the successful jobs, then one count per histogram bucket of
 # the successful ones. Processed is failed plus the buckets: one addition fewer per job.
@@ -274,24 +275,18 @@ def quantile_ms(histogram: list[int], q: float) -> int | None:
 def read(conn: Any, minutes: int = 60, klass: str | None = None,
          now: datetime | None = None, histograms: int = HISTOGRAM_CLASSES) -> dict[str, Any]:
     """Per-class totals and per-minute series over the last `minutes` UTC minutes (this
-    one included), slowest class (most milliseconds) first. Two round trips at most: the
-    minute hashes pipelined, then the histograms of the `histograms` slowest classes (or
-    of `klass`) pipelined."""
+    one included), slowest class (most milliseconds) first. The minute hashes pipelined
+    READ_CHUNK at a time, then the histograms of the `histograms` slowest classes (or of
+    `klass`) pipelined: 2 round trips for an hour, 17 for 8 hours."""
     if type(minutes) is not int or not 1 <= minutes <= MINUTES_MAX:
         raise ValueError(f"minutes must be a whole number from 1 to {MINUTES_MAX}, not {minutes!r}")
     if klass is not None:
         klass = _name(klass)  # as it was written: cut, and escaped where UTF-8 cannot carry it
     now = (now or datetime.now(timezone.utc)).astimezone(timezone.utc).replace(second=0, microsecond=0)
     times = [now - timedelta(minutes=i) for i in range(minutes - 1, -1, -1)]  # oldest first
-    pipe = conn.pipeline(transaction=False)
-    for t in times:
-        if klass is None:
-            pipe.hgetall(minute_key(t))
-        else:
-            pipe.hmget(minute_key(t), f"{klass}|p", f"{klass}|f", f"{klass}|ms")
-    # a minute key of another type (not Sidekiq's, not forkq's) is a minute with nothing
-    replies = pipe.execute(raise_on_error=False)
     series: dict[str, dict[str, list[int]]] = {}
+    # a field names the same class and metric every minute: parsed once
+    fields: dict[Any, tuple[str, str] | None] = {}
 
     def entry(name: str) -> dict[str, list[int]]:
         got = series.get(name)
@@ -299,19 +294,32 @@ def read(conn: Any, minutes: int = 60, klass: str | None = None,
             got = series[name] = {"p": [0] * minutes, "f": [0] * minutes, "ms": [0] * minutes}
         return got
 
-    for i, reply in enumerate(replies):
-        if isinstance(reply, Exception):
-            continue
-        if klass is not None:
-            if any(v is not None for v in reply):
-                e = entry(klass)
-                for metric, v in zip(("p", "f", "ms"), reply):
-                    e[metric][i] += _int(v)
-            continue
-        for field, value in reply.items():
-            name, _, metric = _text(field).rpartition("|")
-            if name and metric in ("p", "f", "ms"):
-                entry(name)[metric][i] += _int(value)
+    # In chunks, each folded into the series before the next is asked for: with many
+    # classes, 8 hours of replies at once held hundreds of MB in the reader
+    for start in range(0, minutes, READ_CHUNK):
+        pipe = conn.pipeline(transaction=False)
+        for t in times[start:start + READ_CHUNK]:
+            if klass is None:
+                pipe.hgetall(minute_key(t))
+            else:
+                pipe.hmget(minute_key(t), f"{klass}|p", f"{klass}|f", f"{klass}|ms")
+        # a minute key of another type (not Sidekiq's, not forkq's) is a minute with nothing
+        for i, reply in enumerate(pipe.execute(raise_on_error=False), start):
+            if isinstance(reply, Exception):
+                continue
+            if klass is not None:
+                if any(v is not None for v in reply):
+                    e = entry(klass)
+                    for metric, v in zip(("p", "f", "ms"), reply):
+                        e[metric][i] += _int(v)
+                continue
+            for field, value in reply.items():
+                parsed = fields.get(field, False)
+                if parsed is False:
+                    name, _, metric = _text(field).rpartition("|")
+                    parsed = fields[field] = (name, metric) if name and metric in ("p", "f", "ms") else None
+                if parsed is not None:
+                    entry(parsed[0])[parsed[1]][i] += _int(value)
     rows = []
     for name, s in series.items():
         p, f, ms = sum(s["p"]), sum(s["f"]), sum(s["ms"])

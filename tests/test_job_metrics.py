@@ -331,3 +331,21 @@ def test_the_final_flush_beside_a_stuck_beat_counts_each_job_once(r):
     n = flusher.add(final, at, final=True, stuck=True)
     flusher.done(final.execute()[:n], final=True)
     assert r.hget("j|20260301|8:3", "L|p") == b"1"
+
+
+def test_a_read_in_chunks_of_minutes_is_the_read_in_one(r, monkeypatch):
+    at = datetime(2026, 3, 1, 8, 3, tzinfo=timezone.utc)
+    for back, klass in ((0, "A"), (1, "B"), (2, "A"), (4, "A"), (6, "B")):
+        table = ClassTable()
+        table.observe(klass, "q", 0.001 * (back + 1), back == 2)
+        _flush(Flusher([table]), r, at - timedelta(minutes=back))
+    r.set(minute_key(at - timedelta(minutes=3)), "not a hash")  # one chunk's reply an error
+    whole = api.job_metrics(r, minutes=7, now=at)
+    monkeypatch.setattr(jobmetrics, "READ_CHUNK", 2)
+    assert api.job_metrics(r, minutes=7, now=at) == whole
+    got = {c["class"]: c["series"]["processed"] for c in whole["classes"]}
+    assert got == {"A": [0, 0, 1, 0, 1, 0, 1], "B": [1, 0, 0, 0, 0, 1, 0]}  # oldest first
+    one = api.job_metrics(r, minutes=7, klass="B", now=at)
+    monkeypatch.setattr(jobmetrics, "READ_CHUNK", 30)
+    assert one == api.job_metrics(r, minutes=7, klass="B", now=at)
+    assert one["classes"][0]["series"]["ms"] == [7, 0, 0, 0, 0, 2, 0]
