@@ -719,6 +719,12 @@ class Supervisor:
             if child.stopping_since is not None:
                 continue
             if now - child.last_ping > self.settings.hang_timeout and child.reason != "hang":
+                # its pings may be waiting unread: this loop itself was held up (a Redis
+                # stall in a sweep, up to its 5 s timeout), not the child
+                while self.read_report(child):
+                    pass
+                if self.state == "stopping" or now - child.last_ping <= self.settings.hang_timeout:
+                    continue
                 log.error("child stopped pinging; killing it", slot=child.slot, child_pid=child.pid,
                           silent_s=round(now - child.last_ping, 1))
                 child.reason = "hang"

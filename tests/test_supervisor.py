@@ -1139,3 +1139,29 @@ def test_a_child_killed_as_hung_is_not_retired_again_under_another_reason():
         os.close(sup._sig_r)
         os.close(sup._sig_w)
         _close_children(made)
+
+
+@pytest.mark.timeout(10)
+def test_a_child_whose_pings_wait_unread_is_not_killed_as_hung():
+    """The master's loop can itself be held up (a Redis stall in the orphan sweep, up to
+    its 5 s timeout) past --hang-timeout while the children's pings sit in their pipes:
+    read then, they show the children alive. Before, every child was SIGKILLed as hung
+    (the chaos soak saw it after a CLIENT PAUSE), and its finished jobs ran again."""
+    from forkq.settings import Settings
+    from forkq.supervisor import Supervisor
+    sup = Supervisor(Settings(processes=2, hang_timeout=2))
+    made = _pinging_children(sup, range(2))
+    (alive, alive_w, _), (silent, _silent_w, _) = made
+    try:
+        for child in (alive, silent):
+            child.last_ping = time.monotonic() - 3  # no look at the pipes for 3 s
+        os.write(alive_w, b"B1 7 0\n")            # pinged meanwhile, unread
+        sup.murder_hung_children()
+        assert alive.reason == "" and alive.busy == 1 and alive.totals == (7, 0)
+        assert silent.reason == "hang"
+    finally:
+        os.close(sup._sig_r)
+        os.close(sup._sig_w)
+        for child, report_w, control_r in made:
+            for fd in (report_w, control_r, child.report_r, child.control_w):
+                os.close(fd)
