@@ -15,6 +15,24 @@ Prints jobs, kills, duplicates, lost, poisoned and recovery times; exits 1 if a 
 duplicates exceed the jobs held at the kills, a private structure (`forkq:inflight:*`,
 `forkq:landing:*`), an owner, a suspect or a due `schedule`/`retry` entry is left, or the
 master did not exit 0. tests/test_chaos.py runs the same `run()` at a smaller scale.
+
+    python3 -m bench.chaos --minutes N --seed S [--fault-every 4] [--hang-timeout 12] [--keep DIR]
+
+The soak (`Soak`, below): an operator's bad day. Its own redis-server (AOF, fsync always)
+and a real `forkq start --processes 3 --concurrency 5` on bench/chaos_app.py, whose jobs
+take 0-200 ms and record each run to its end (key, jid, retry count, pid, time) in one HSET;
+some fail once and retry, and the driver pushes plain jobs, bursts of 50-300, scheduled,
+unique, batch (with an on_success callback) and chain jobs, ~15 pushes a second. Meanwhile,
+every ~--fault-every seconds, one fault at random: SIGKILL a child; SIGSTOP one past the
+hang timeout; SIGKILL the master alone, or its whole group, and start a new one (half the
+masters get a host name of their own, so a dead one's jobs come back only after
+--recovery-delay); TERM the master; `ctl quiet` then `ctl stop`; quiet or TERM, then SIGKILL
+the group; HUP; Redis `SHUTDOWN` or `kill -9`, restarted from its AOF; `CLIENT PAUSE` 1-10 s;
+and Redis down while a master is killed or stopped. Then it waits until every queue,
+suspects list, schedule, retry set and in-flight structure is empty, and reports what was
+pushed, what never ran (LOST, not in dead), what ran more than once and why (the process of
+the earlier run was killed after it, or stopped while Redis was down, or killed as hung by
+its master though nothing froze it), and the dead set. Exit 1 on anything else.
 """
 
 from __future__ import annotations
@@ -387,6 +405,569 @@ def _check(r: redis.Redis, report: Report) -> None:
     }
 
 
+# ---------------------------------------------------------------------------------------
+# The soak: every kind of fault an operator's bad day brings, at random, on a mixed app.
+
+SOAK_APP = ROOT / "bench" / "chaos_app.py"
+SOAK_QUEUES = ("soak", "soak2")
+FAULTS = ("child_kill", "child_hang", "master_kill", "group_kill", "master_term",
+          "redis_shutdown", "redis_kill9", "client_pause", "quiet_stop", "outage_and_kill",
+          "hup", "quiet_kill", "term_kill")
+# Above the longest CLIENT PAUSE (10 s): a master whose loop waits on a paused Redis for
+# longer than --hang-timeout kills every healthy child as hung (see README); --hang-timeout 3
+# shows that. The delay stays above the hang timeout, as forkq asks.
+HANG_TIMEOUT = 12.0
+
+
+class SoakRedis(DurableRedis):
+    """DurableRedis that can also be shut down by command, killed -9 and paused."""
+
+    def shutdown(self) -> None:
+        # with AOF and appendfsync always every acknowledged write is in the file already;
+        # plain SHUTDOWN (not NOSAVE, which only skips an RDB save we do not configure)
+        # makes Redis fsync the AOF and exit, the operator's clean stop
+        c = redis.Redis(port=self.port, socket_timeout=5)
+        try:
+            c.shutdown()
+        except REDIS_ERRORS:
+            pass
+        self.proc.wait(30)
+        self.proc = None
+        self.start()
+
+    def kill9(self) -> None:
+        self.down(kill=True)
+        self.start()
+
+    def down(self, kill: bool) -> None:
+        if kill:
+            self.proc.kill()
+        else:
+            self.proc.terminate()  # as SHUTDOWN: fsync the AOF, then exit
+        self.proc.wait(30)
+        self.proc = None
+
+
+@dataclass
+class SoakReport:
+    seed: int = 0
+    minutes: float = 0.0
+    faults: Counter = field(default_factory=Counter)
+    pushed: int = 0                      # keys expected to run (chain steps and callbacks too)
+    ran: int = 0
+    lost: list[str] = field(default_factory=list)
+    dupes: dict[str, list] = field(default_factory=dict)    # key -> its runs, when > 1
+    explained: int = 0
+    unexplained: list[str] = field(default_factory=list)
+    spurious_hangs: list[str] = field(default_factory=list)  # healthy children killed as hung
+    by_spurious: int = 0                 # extra runs those kills caused
+    by_outage_stop: int = 0              # extra runs of processes stopped while Redis was down
+    dead: Counter = field(default_factory=Counter)          # error_class -> count
+    dead_keys: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    leftovers: dict[str, object] = field(default_factory=dict)
+    drain_s: float | None = None
+    elapsed_s: float = 0.0
+
+    def format(self) -> str:
+        extra = sum(len(v) - 1 for v in self.dupes.values())
+        lines = [
+            f"seed {self.seed}, {self.minutes} min of faults, {self.elapsed_s:.0f} s in all",
+            "faults:      " + ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())),
+            f"pushed:      {self.pushed} (plain, scheduled, unique, batch jobs, chain steps, callbacks)",
+            f"ran:         {self.ran} at least once",
+            f"LOST:        {len(self.lost)} {self.lost[:20]}",
+            f"ran twice+:  {len(self.dupes)} keys, {extra} extra runs, {self.explained} explained "
+            f"by a kill of the process that ran it first, {self.by_outage_stop} by its stop while "
+            f"Redis was down, {len(self.unexplained)} UNEXPLAINED "
+            f"{self.unexplained[:20]}",
+            f"hang kills:  {len(self.spurious_hangs)} of children no fault froze ({self.by_spurious} extra "
+            f"runs) {self.spurious_hangs[:6]}",
+            f"dead:        {dict(self.dead)} {self.dead_keys[:20]}",
+            f"drained in:  {_ms(self.drain_s)} after the faults stopped",
+            f"leftovers:   {self.leftovers}",
+        ]
+        lines.append("result:      " + ("OK" if not self.problems else "FAILED: " + "; ".join(self.problems)))
+        return "\n".join(lines)
+
+
+class Soak:
+    def __init__(self, server: SoakRedis, seed: int, minutes: float, workdir: Path,
+                 hang_timeout: float = HANG_TIMEOUT, fault_every: float = 4.0) -> None:
+        self.server = server
+        self.hang_timeout = hang_timeout
+        self.fault_every = fault_every
+        self.rng = random.Random(seed)
+        self.minutes = minutes
+        self.dir = workdir
+        self.pidfile = workdir / "forkq.pid"
+        self.r = redis.Redis.from_url(server.url, socket_timeout=10)
+        self.report = SoakReport(seed=seed, minutes=minutes)
+        self.master: subprocess.Popen | None = None
+        self.generation = 0
+        self.killed: dict[int, float] = {}   # pid -> when it was killed uncleanly (epoch)
+        self.spurious: set[int] = set()      # of those, killed by a master as hung unfrozen
+        # pid -> when it had to stop (its master killed or stopped) while Redis was down: it
+        # could neither acknowledge what it finished nor tell anyone, so that runs again
+        self.outage_stopped: dict[int, float] = {}
+        self.events: list[tuple[float, str, str]] = []
+        self.gate = __import__("threading").Lock()   # pushes never straddle a Redis fault
+        self.expected: set[str] = set()
+        self.batches: dict[str, str] = {}    # callback key -> bid
+        self.stop_faults = False
+        self.fault_error: BaseException | None = None
+        # masters under host names of their own need unshare and root
+        self.hosts = os.geteuid() == 0 and shutil.which("unshare") is not None
+
+    # -- processes ----------------------------------------------------------------------
+    def env(self) -> dict[str, str]:
+        return dict(os.environ, FORKQ_REDIS_URL=self.server.url, FORKQ_PIDFILE=str(self.pidfile),
+                    PYTHONPATH=str(ROOT))
+
+    def start_master(self) -> None:
+        self.generation += 1
+        log = open(self.dir / f"master-{self.generation}.log", "w")
+        cmd = [sys.executable, "-m", "forkq", "start", "--require", str(SOAK_APP),
+             "--queue", "soak", "--queue", "soak2", "--processes", "3", "--concurrency", "5",
+             "--hang-timeout", str(self.hang_timeout), "--recovery-delay", str(self.hang_timeout + 3),
+             "--heartbeat-interval", "1", "--poll-interval", "1", "--timeout", "5",
+             "--log-level", "info", "--log-format", "json"]
+        host = ""
+        if self.hosts and self.rng.random() < 0.5:
+            # a host name of its own (a UTS namespace; same pids): the next forkq cannot
+            # tell this one's death by its pids, as with a Deployment's replacement pod, so
+            # after a whole-forkq kill its jobs come back only by --recovery-delay
+            host = f"soak-{self.generation}"
+            cmd = ["unshare", "--uts", "sh", "-c", f'hostname {host} && exec "$@"', "sh", *cmd]
+        self.master = subprocess.Popen(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True, cwd=ROOT)
+        log.close()
+        self.event("master_start", f"pid {self.master.pid} {host}")
+        # systemd's Restart= would not wait, but a fault on a master still importing the app
+        # tests nothing more: wait until its children are up (or give up after a while)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len(self.children()) < 3:
+            if self.master.poll() is not None:
+                raise RuntimeError(f"master {self.master.pid} exited with {self.master.returncode} at start")
+            time.sleep(0.1)
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.master.pid).children() if self.master else []
+        except psutil.Error:
+            return []
+
+    def event(self, kind: str, detail: str = "") -> None:
+        self.events.append((time.time(), kind, detail))
+
+    def ping(self) -> None:
+        _ping(self.r, timeout=60)
+
+    # -- faults -------------------------------------------------------------------------
+    def fault(self, kind: str) -> None:
+        self.report.faults[kind] += 1
+        getattr(self, "f_" + kind)()
+
+    def _victim(self) -> psutil.Process | None:
+        kids = self.children()
+        return self.rng.choice(kids) if kids else None
+
+    def f_child_kill(self) -> None:
+        kid = self._victim()
+        if kid is None:
+            return
+        self.killed[kid.pid] = time.time()
+        self.event("child_kill", f"pid {kid.pid}")
+        os.kill(kid.pid, signal.SIGKILL)
+
+    def f_child_hang(self) -> None:
+        kid = self._victim()
+        if kid is None:
+            return
+        os.kill(kid.pid, signal.SIGSTOP)
+        self.event("child_hang", f"pid {kid.pid} stopped")
+        # frozen, it finishes nothing: its completed runs are all recorded before now, and
+        # the master SIGKILLs it after --hang-timeout
+        self.killed[kid.pid] = time.time()
+        deadline = time.monotonic() + self.hang_timeout + 15
+        while time.monotonic() < deadline:
+            if not psutil.pid_exists(kid.pid) or kid.status() == psutil.STATUS_ZOMBIE:
+                self.event("child_hang", f"pid {kid.pid} killed by its master")
+                return
+            time.sleep(0.1)
+        self.report.problems.append(f"a child SIGSTOPped for {self.hang_timeout + 15} s was not killed")
+        os.kill(kid.pid, signal.SIGCONT)
+
+    def f_master_kill(self) -> None:
+        # the master alone: its children see EOF on their pipes and stop gracefully
+        self.event("master_kill", f"pid {self.master.pid}")
+        os.kill(self.master.pid, signal.SIGKILL)
+        self.master.wait()
+        time.sleep(self.rng.uniform(0, 2))
+        self.start_master()
+
+    def f_group_kill(self) -> None:
+        # the whole forkq at once (a pod SIGKILLed): nothing of it puts anything back
+        now = time.time()
+        for kid in self.children():
+            self.killed[kid.pid] = now
+        self.event("group_kill", f"pgid {self.master.pid}")
+        os.killpg(self.master.pid, signal.SIGKILL)
+        self.master.wait()
+        time.sleep(self.rng.uniform(0, 2))
+        self.start_master()
+
+    def f_master_term(self) -> None:
+        self.event("master_term", f"pid {self.master.pid}")
+        code = stop_master(self.master, timeout=30)
+        if code != 0:
+            self.report.problems.append(f"master exit {code} after TERM")
+        self.start_master()
+
+    def f_quiet_stop(self) -> None:
+        self.event("quiet_stop", f"pid {self.master.pid}")
+        q = subprocess.run([sys.executable, "-m", "forkq", "ctl", "quiet"], env=self.env(), cwd=ROOT,
+                           capture_output=True, text=True, timeout=30)
+        if q.returncode:
+            self.report.problems.append(f"ctl quiet exit {q.returncode}: {q.stderr.strip()[-200:]}")
+        time.sleep(self.rng.uniform(0.5, 3))
+        s = subprocess.run([sys.executable, "-m", "forkq", "ctl", "stop", "--timeout", "30"], env=self.env(),
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+        if s.returncode:
+            self.report.problems.append(f"ctl stop exit {s.returncode}: {s.stderr.strip()[-200:]}")
+        code = self.master.wait(30)
+        if code != 0:
+            self.report.problems.append(f"master exit {code} after ctl stop")
+        self.start_master()
+
+    def f_hup(self) -> None:
+        # systemctl reload: a rolling restart of the children
+        self.event("hup", f"pid {self.master.pid}")
+        os.kill(self.master.pid, signal.SIGHUP)
+
+    def _kill_group_later(self, kind: str, sig: int) -> None:
+        self.event(kind, f"pid {self.master.pid}")
+        os.kill(self.master.pid, sig)
+        time.sleep(self.rng.uniform(0.1, 3))
+        now = time.time()
+        for kid in self.children():
+            self.killed[kid.pid] = now
+        try:
+            os.killpg(self.master.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.master.wait()
+        self.start_master()
+
+    def f_quiet_kill(self) -> None:
+        # a pod's preStop quiet, then SIGKILL when its grace period runs out
+        self._kill_group_later("quiet_kill", signal.SIGTSTP)
+
+    def f_term_kill(self) -> None:
+        # TERM, then SIGKILL before the stop ends (systemd's TimeoutStopSec too short)
+        self._kill_group_later("term_kill", signal.SIGTERM)
+
+    def f_redis_shutdown(self) -> None:
+        with self.gate:
+            self.event("redis_shutdown")
+            self.server.shutdown()
+            self.ping()
+
+    def f_redis_kill9(self) -> None:
+        with self.gate:
+            self.event("redis_kill9")
+            self.server.kill9()
+            self.ping()
+
+    def f_client_pause(self) -> None:
+        with self.gate:
+            seconds = self.rng.uniform(1, 10)  # past the workers' 7 s socket timeout at times
+            self.event("client_pause", f"{seconds:.1f} s")
+            self.r.execute_command("CLIENT", "PAUSE", int(seconds * 1000), "ALL")
+            time.sleep(seconds)
+
+    def f_outage_and_kill(self) -> None:
+        # two faults at once: Redis goes down, and while it is down a process dies or is
+        # stopped, so whoever should put its jobs back cannot reach Redis at first
+        with self.gate:
+            kill = self.rng.random() < 0.5
+            self.event("outage", "kill -9" if kill else "TERM")
+            self.server.down(kill)
+            time.sleep(self.rng.uniform(0, 2))
+            what = self.rng.choice(("child_kill", "master_kill", "group_kill", "master_term"))
+            self.report.faults["outage+" + what] += 1
+            if what == "child_kill":
+                self.f_child_kill()
+            else:
+                now = time.time()
+                for kid in self.children():
+                    self.outage_stopped[kid.pid] = now
+                self.event(what, f"pid {self.master.pid} (Redis down)")
+                if what == "master_term":
+                    self.master.send_signal(signal.SIGTERM)
+                    try:
+                        code = self.master.wait(30)
+                    except subprocess.TimeoutExpired:
+                        code = "none within 30 s"
+                    if code != 0:
+                        self.report.problems.append(f"master exit {code} after TERM with Redis down")
+                else:
+                    if what == "group_kill":
+                        now = time.time()
+                        for kid in self.children():
+                            self.killed[kid.pid] = now
+                        os.killpg(self.master.pid, signal.SIGKILL)
+                    else:
+                        os.kill(self.master.pid, signal.SIGKILL)
+                    self.master.wait()
+            time.sleep(self.rng.uniform(0, 6))
+            self.server.start()
+            self.event("outage_end")
+            self.ping()
+            if self.master.poll() is not None:
+                self.start_master()
+
+    def fault_loop(self, until: float) -> None:
+        try:
+            while not self.stop_faults and time.monotonic() < until:
+                time.sleep(self.rng.uniform(0.5, 1.5) * self.fault_every)
+                if self.stop_faults or time.monotonic() >= until:
+                    return
+                if self.master.poll() is not None:
+                    self.report.problems.append(f"master exited by itself with {self.master.returncode}")
+                    self.start_master()
+                    continue
+                self.fault(self.rng.choice(FAULTS))
+        except BaseException as exc:  # reported by the main thread
+            self.fault_error = exc
+
+    # -- pushes -------------------------------------------------------------------------
+    def push_some(self, serial: int) -> None:
+        from bench import chaos_app as app
+        kind = self.rng.choices(("plain", "scheduled", "unique", "batch", "chain", "burst"),
+                                (60, 20, 20, 10, 10, 3))[0]
+        fail = self.rng.random() < 0.1
+        n = serial
+        with self.gate:
+            for attempt in range(100):
+                try:
+                    if kind == "plain":
+                        keys_ = [f"p{n}"]
+                        app.work.enqueue(keys_[0], fail)
+                    elif kind == "burst":
+                        # a backlog, so children hold full batches and acks wait in them
+                        keys_ = [f"p{n}.{i}" for i in range(self.rng.randint(50, 300))]
+                        app.work.enqueue_many([(k, self.rng.random() < 0.05) for k in keys_])
+                    elif kind == "scheduled":
+                        keys_ = [f"s{n}"]
+                        app.work.enqueue_in(self.rng.uniform(0.5, 8), keys_[0], fail)
+                    elif kind == "unique":
+                        keys_ = [f"u{n}"]
+                        if app.unique.enqueue(keys_[0], fail) is None:
+                            raise RuntimeError(f"unique push of new {keys_[0]} refused")
+                    elif kind == "batch":
+                        size = self.rng.randint(2, 8)
+                        keys_ = [f"b{n}.{i}" for i in range(size)] + [f"cb{n}"]
+                        batch = forkq.Batch(description=f"soak {n}")
+                        batch.on_success(app.callback, f"cb{n}")
+                        with batch:
+                            for k in keys_[:-1]:
+                                app.work.enqueue(k, self.rng.random() < 0.1)
+                    else:
+                        size = self.rng.randint(2, 4)
+                        keys_ = [f"c{n}.{i}" for i in range(size)]
+                        forkq.chain(*[(app.work if i % 2 == 0 else app.work.options(queue="soak2")).call(k, fail and i == 1)
+                                      for i, k in enumerate(keys_)]).enqueue()
+                    self.expected.update(keys_)
+                    return
+                except REDIS_ERRORS:
+                    # the gate keeps Redis faults out, so only a pooled connection that went
+                    # stale in the last restart fails here, before anything reached Redis
+                    time.sleep(0.05)
+            raise RuntimeError("could not push for 100 tries")
+
+    # -- the end ------------------------------------------------------------------------
+    def structures(self) -> dict[str, int]:
+        out = {}
+        for q in SOAK_QUEUES:
+            out[f"queue:{q}"] = self.r.llen(f"queue:{q}")
+            out[f"suspects:{q}"] = self.r.llen(f"forkq:suspects:{q}")
+        out["schedule"] = self.r.zcard("schedule")
+        out["retry"] = self.r.zcard("retry")
+        held = 0
+        for k in self.r.scan_iter(match="forkq:inflight:*"):
+            held += self.r.hlen(k)
+        for k in self.r.scan_iter(match="forkq:landing:*"):
+            held += self.r.llen(k)
+        out["in flight"] = held
+        return out
+
+    def runs(self) -> dict[str, list[tuple[float, int, str, str]]]:
+        out: dict[str, list] = {}
+        for raw in self.r.hvals("soak:runs"):
+            key, jid, attempt, pid, t = raw.decode().split()
+            out.setdefault(key, []).append((float(t), int(pid), jid, attempt))
+        for v in out.values():
+            v.sort()
+        return out
+
+    def dead_entries(self) -> None:
+        import json
+        for raw in self.r.zrange("dead", 0, -1):
+            job = json.loads(raw)
+            self.report.dead[job.get("error_class")] += 1
+            args = job.get("args") or ["?"]
+            self.report.dead_keys.append(f"{args[0]}:{job.get('error_class')}")
+
+    def drain(self, timeout: float) -> bool:
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        while time.monotonic() < deadline:
+            try:
+                if not any(self.structures().values()) and self.expected <= set(self.runs()) | {
+                        k.split(":")[0] for k in self.report.dead_keys}:
+                    self.report.drain_s = time.monotonic() - t0
+                    return True
+            except REDIS_ERRORS:
+                pass
+            time.sleep(0.5)
+        return False
+
+    def hang_kills(self) -> None:
+        """Children the masters killed as hung that no child_hang froze: forkq's own kills of
+        healthy children, which make finished but unacknowledged jobs run again."""
+        import json
+        from datetime import datetime
+        frozen = {int(d.split()[1]) for _, k, d in self.events if k == "child_hang" and d.endswith("stopped")}
+        for log in sorted(self.dir.glob("master-*.log")):
+            for line in log.read_text(errors="replace").splitlines():
+                if "stopped pinging" not in line:
+                    continue
+                try:
+                    e = json.loads(line)
+                except ValueError:
+                    continue
+                pid = e.get("child_pid")
+                if pid in frozen:
+                    continue
+                when = datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+                self.report.spurious_hangs.append(f"{pid} silent {e.get('silent_s')} s ({log.name})")
+                self.killed.setdefault(pid, when)
+                self.spurious.add(pid)
+
+    def analyse(self) -> None:
+        rep = self.report
+        self.hang_kills()
+        runs = self.runs()
+        rep.pushed = len(self.expected)
+        rep.ran = len(self.expected & set(runs))
+        dead = {k.split(":")[0] for k in rep.dead_keys}
+        rep.lost = sorted(self.expected - set(runs) - dead)
+        for key, rs in runs.items():
+            if key not in self.expected:
+                rep.problems.append(f"a run of {key}, never pushed")
+            if len(rs) < 2:
+                continue
+            rep.dupes[key] = rs
+            for prev, _ in zip(rs, rs[1:]):
+                t, pid = prev[0], prev[1]
+                if pid in self.spurious and self.killed[pid] >= t:
+                    rep.by_spurious += 1
+                elif pid in self.killed and self.killed[pid] >= t:
+                    rep.explained += 1
+                elif pid in self.outage_stopped and self.outage_stopped[pid] >= t:
+                    rep.by_outage_stop += 1
+                else:
+                    rep.unexplained.append(key)
+        if rep.lost:
+            rep.problems.append(f"{len(rep.lost)} jobs LOST")
+        if rep.unexplained:
+            rep.problems.append(f"{len(rep.unexplained)} unexplained extra runs")
+        if rep.spurious_hangs:
+            rep.problems.append(f"{len(rep.spurious_hangs)} children nobody froze killed as hung, "
+                                f"{rep.by_spurious} extra runs from it")
+
+    def run(self) -> SoakReport:
+        import threading
+        t_start = time.monotonic()
+        self.start_master()
+        until = t_start + self.minutes * 60
+        injector = threading.Thread(target=self.fault_loop, args=(until,), daemon=True)
+        injector.start()
+        serial = 0
+        try:
+            while time.monotonic() < until and self.fault_error is None:
+                self.push_some(serial)
+                serial += 1
+                time.sleep(self.rng.expovariate(15))  # ~15 pushes a second
+            self.stop_faults = True
+            injector.join(120)
+            if self.fault_error is not None:
+                raise self.fault_error
+            self.event("faults_end")
+            if self.master.poll() is not None:
+                self.start_master()
+            self.ping()
+            if not self.drain(180):
+                self.report.problems.append(f"not drained within 180 s: {self.structures()}")
+            self.dead_entries()
+            self.analyse()
+            code = stop_master(self.master, timeout=60)
+            if code != 0:
+                self.report.problems.append(f"final master exit {code} after TERM")
+            self.report.leftovers = {k: v for k, v in self.structures().items() if v}
+            owners = self.r.hlen("forkq:owners")
+            if owners:
+                self.report.leftovers["forkq:owners"] = owners
+            locks = sum(1 for _ in self.r.scan_iter(match="unique:*"))
+            if locks:
+                self.report.leftovers["unique locks"] = locks
+            if self.report.leftovers:
+                self.report.problems.append("structures left after the final stop")
+        finally:
+            self.stop_faults = True
+            if self.master is not None and self.master.poll() is None:
+                os.killpg(self.master.pid, signal.SIGKILL)
+                self.master.wait()
+            self.report.elapsed_s = time.monotonic() - t_start
+        return self.report
+
+    def explain(self) -> str:
+        """For each unexplained extra run: its runs and the faults around them."""
+        out = []
+        for key in sorted(set(self.report.unexplained))[:10]:
+            rs = self.report.dupes[key]
+            out.append(f"{key}: runs " + "; ".join(f"t={t:.3f} pid={p} jid={j} retry={a}" for t, p, j, a in rs))
+            lo, hi = rs[0][0] - 10, rs[-1][0] + 1
+            for t, kind, detail in self.events:
+                if lo <= t <= hi:
+                    out.append(f"    {t:.3f} {kind} {detail}")
+        return "\n".join(out)
+
+
+def soak(minutes: float, seed: int, keep: Path | None = None, hang_timeout: float = HANG_TIMEOUT,
+         fault_every: float = 4.0) -> int:
+    random.seed(seed)
+    workdir = Path(tempfile.mkdtemp(prefix="forkq-soak-"))
+    with SoakRedis() as server:
+        forkq.configure(server.url)
+        s = Soak(server, seed, minutes, workdir, hang_timeout, fault_every)
+        report = s.run()
+    print(report.format())
+    if report.unexplained:
+        print(s.explain())
+    if report.problems or keep:
+        dest = keep or workdir
+        if keep:
+            shutil.copytree(workdir, keep, dirs_exist_ok=True)
+        events = "\n".join(f"{t:.3f} {k} {d}" for t, k, d in s.events)
+        (dest / "events.txt").write_text(events + "\n")
+        print(f"master logs and events kept in {dest}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if report.problems else 0
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, default=20_000)
@@ -397,7 +978,17 @@ def main() -> None:
     p.add_argument("--poison-after", type=int, default=1000,
                    help="high on purpose: random kills are not poison jobs")
     p.add_argument("--log", type=Path, help="keep the master's log here")
+    p.add_argument("--minutes", type=float,
+                   help="run the soak instead: every kind of fault at random for this long")
+    p.add_argument("--seed", type=int, default=1, help="the soak's random seed")
+    p.add_argument("--keep", type=Path, help="the soak: keep master logs and events here")
+    p.add_argument("--hang-timeout", type=float, default=HANG_TIMEOUT,
+                   help="the soak's --hang-timeout (the recovery delay is 3 s more)")
+    p.add_argument("--fault-every", type=float, default=4.0,
+                   help="the soak: average seconds between one fault's end and the next")
     a = p.parse_args()
+    if a.minutes is not None:
+        sys.exit(soak(a.minutes, a.seed, a.keep, a.hang_timeout, a.fault_every))
     with DurableRedis() as server:
         report = run(server.url, server.restart, jobs=a.jobs, processes=a.processes,
                      concurrency=a.concurrency, duration=a.duration, kill_interval=a.kill_interval,
