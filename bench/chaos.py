@@ -576,9 +576,10 @@ class Soak:
         kid = self._victim()
         if kid is None:
             return
+        os.kill(kid.pid, signal.SIGKILL)
+        # the time after the signal: a run recorded before it may have been the victim's
         self.killed[kid.pid] = time.time()
         self.event("child_kill", f"pid {kid.pid}")
-        os.kill(kid.pid, signal.SIGKILL)
 
     def f_child_hang(self) -> None:
         kid = self._victim()
@@ -608,14 +609,23 @@ class Soak:
 
     def f_group_kill(self) -> None:
         # the whole forkq at once (a pod SIGKILLed): nothing of it puts anything back
-        now = time.time()
-        for kid in self.children():
-            self.killed[kid.pid] = now
+        self._killpg()
         self.event("group_kill", f"pgid {self.master.pid}")
-        os.killpg(self.master.pid, signal.SIGKILL)
-        self.master.wait()
         time.sleep(self.rng.uniform(0, 2))
         self.start_master()
+
+    def _killpg(self) -> None:
+        """SIGKILL the master's whole group; its children count as killed from the moment
+        after the signal (taken before it, a run recorded meanwhile looked unexplained)."""
+        kids = self.children()
+        try:
+            os.killpg(self.master.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        now = time.time()
+        for kid in kids:
+            self.killed[kid.pid] = now
+        self.master.wait()
 
     def f_master_term(self) -> None:
         self.event("master_term", f"pid {self.master.pid}")
@@ -649,14 +659,7 @@ class Soak:
         self.event(kind, f"pid {self.master.pid}")
         os.kill(self.master.pid, sig)
         time.sleep(self.rng.uniform(0.1, 3))
-        now = time.time()
-        for kid in self.children():
-            self.killed[kid.pid] = now
-        try:
-            os.killpg(self.master.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.master.wait()
+        self._killpg()
         self.start_master()
 
     def f_quiet_kill(self) -> None:
@@ -695,13 +698,12 @@ class Soak:
             self.server.down(kill)
             time.sleep(self.rng.uniform(0, 2))
             what = self.rng.choice(("child_kill", "master_kill", "group_kill", "master_term"))
+            stopped: list[psutil.Process] = []
             self.report.faults["outage+" + what] += 1
             if what == "child_kill":
                 self.f_child_kill()
             else:
-                now = time.time()
-                for kid in self.children():
-                    self.outage_stopped[kid.pid] = now
+                stopped = self.children()
                 self.event(what, f"pid {self.master.pid} (Redis down)")
                 if what == "master_term":
                     self.master.send_signal(signal.SIGTERM)
@@ -713,15 +715,16 @@ class Soak:
                         self.report.problems.append(f"master exit {code} after TERM with Redis down")
                 else:
                     if what == "group_kill":
-                        now = time.time()
-                        for kid in self.children():
-                            self.killed[kid.pid] = now
-                        os.killpg(self.master.pid, signal.SIGKILL)
+                        self._killpg()
                     else:
                         os.kill(self.master.pid, signal.SIGKILL)
                     self.master.wait()
             time.sleep(self.rng.uniform(0, 6))
             self.server.start()
+            # what those children finished before Redis came back may be unacknowledged
+            now = time.time()
+            for kid in stopped if what in ("master_kill", "master_term") else ():
+                self.outage_stopped[kid.pid] = now
             self.event("outage_end")
             self.ping()
             if self.master.poll() is not None:
