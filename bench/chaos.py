@@ -27,8 +27,8 @@ every ~--fault-every seconds, one fault at random: SIGKILL a child; SIGSTOP one 
 hang timeout; SIGKILL the master alone, or its whole group, and start a new one (half the
 masters get a host name of their own, so a dead one's jobs come back only after
 --recovery-delay); TERM the master; `ctl quiet` then `ctl stop`; quiet or TERM, then SIGKILL
-the group; HUP; Redis `SHUTDOWN` or `kill -9`, restarted from its AOF; `CLIENT PAUSE` 1-10 s;
-and Redis down while a master is killed or stopped. Then it waits until every queue,
+the group; HUP; Redis `SHUTDOWN` or `kill -9`, restarted from its AOF; `CLIENT PAUSE` (ALL
+or WRITE) 1-10 s; and Redis down while a master is killed or stopped. Then it waits until every queue,
 suspects list, schedule, retry set and in-flight structure is empty, and reports what was
 pushed, what never ran (LOST, not in dead), what ran more than once and why (the process of
 the earlier run was killed after it, or stopped while Redis was down, or killed as hung by
@@ -685,8 +685,10 @@ class Soak:
     def f_client_pause(self) -> None:
         with self.gate:
             seconds = self.rng.uniform(1, 10)  # past the workers' 7 s socket timeout at times
-            self.event("client_pause", f"{seconds:.1f} s")
-            self.r.execute_command("CLIENT", "PAUSE", int(seconds * 1000), "ALL")
+            # WRITE: reads (and scripts flagged no-writes) go on, every write waits
+            mode = self.rng.choice(("ALL", "WRITE"))
+            self.event("client_pause", f"{seconds:.1f} s {mode}")
+            self.r.execute_command("CLIENT", "PAUSE", int(seconds * 1000), mode)
             time.sleep(seconds)
 
     def f_outage_and_kill(self) -> None:
