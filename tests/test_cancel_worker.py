@@ -179,6 +179,13 @@ def wait_dead(r, count: int = 1, timeout: float = 5.0) -> list[dict]:
     return wait_until(enough, timeout=timeout, interval=0.01, message=f"{count} dead entries")
 
 
+def wait_counts(manager, expected: tuple[int, int], timeout: float = 5.0) -> None:
+    """Wait until manager.counts() is `expected`: a thread counts its job after the job's
+    body returns, so `ran` can show the job a moment before counts() does."""
+    wait_until(lambda: manager.counts() == expected, timeout=timeout,
+               message=f"manager.counts() == {expected}")
+
+
 def wait_started(tag: str, timeout: float = 5.0) -> None:
     assert started.setdefault(tag, threading.Event()).wait(timeout), f"{tag} never started"
 
@@ -199,12 +206,15 @@ def test_a_looping_job_is_interrupted_within_a_heartbeat_and_goes_to_dead_not_re
     assert not r.hexists(keys.CANCEL, jid), "the dead write deletes the request"
     assert hooked == [], "neither retries_exhausted nor on_death runs for a cancel"
     assert "swallowed a" not in ran and "spun out a" not in ran
-    assert running.fired, "the child asks to be replaced, as after a time limit"
+    # the heartbeat thread that cancelled asks after raising in the job's thread, which
+    # can write the dead entry first
+    wait_until(lambda: running.fired, timeout=5,
+               message="the child asking to be replaced, as after a time limit")
     assert r.hlen(f"forkq:inflight:{IDENTITY}") == 0
     # the thread goes on: the next job on it runs and succeeds
     quick.enqueue("next")
     wait_until(lambda: "next" in ran, timeout=5, message="the next job ran")
-    assert manager.counts() == (2, 1)
+    wait_counts(manager, (2, 1))
     assert not manager.lost_thread
 
 
@@ -256,10 +266,10 @@ def test_a_job_under_a_time_limit_is_cancelled_through_the_same_watchdog(running
     (entry,) = wait_dead(r)
     assert entry["error_class"] == "forkq.JobCancelled"
     assert r.zcard("retry") == 0 and not r.hexists(keys.CANCEL, jid)
-    assert running.fired
+    wait_until(lambda: running.fired, timeout=5, message="the child asking to be replaced")
     quick.enqueue("after")
     wait_until(lambda: "after" in ran, timeout=5, message="the thread ran the next job")
-    assert manager.counts() == (2, 1)
+    wait_counts(manager, (2, 1))
 
 
 @pytest.mark.timeout(20)
@@ -321,7 +331,7 @@ def test_a_job_stuck_in_a_c_call_is_given_up_after_the_grace_and_records_nothing
     wait_until(lambda: "after" in ran, timeout=5, message="the thread ran the next job")
     assert "came back s" not in ran
     assert r.zcard("dead") == 1 and r.zcard("retry") == 0
-    assert manager.counts() == (2, 1)
+    wait_counts(manager, (2, 1))
 
 
 @pytest.mark.timeout(20)
