@@ -71,7 +71,7 @@ def test_second_failure_increments_retry_count_and_sets_retried_at(workers, fork
 
 @pytest.mark.timeout(30)
 def test_retry_false_drops_the_job(workers, forkq_client, r):
-    worker = workers()
+    worker = workers(concurrency=1)
     core_jobs.fail_no_retry.enqueue("x")
     core_jobs.record.enqueue("after")  # with one processor, it runs after the failure
     wait_records(r, 1, worker, kind="record")
