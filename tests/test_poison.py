@@ -19,7 +19,7 @@ import pytest
 
 import forkq
 from forkq import keys, payload
-from helpers import wait_until
+from helpers import wait_beats, wait_until
 from test_supervisor import APPS, FORK_DELAY, Master, assert_clean, push, queued_jids, sup_events, wait_event
 
 SUSPECTS = keys.suspects("default")
@@ -288,14 +288,16 @@ def test_a_stop_during_isolation_puts_the_suspect_back_on_the_suspects_list_and_
 @pytest.mark.timeout(30)
 def test_a_quiet_worker_leaves_suspects_alone(start_master, redis_url, r):
     m = start_master(processes=1, concurrency=2)
-    m.wait_slots()
+    (pid,) = m.wait_slots().values()
+    child = wait_until(lambda: next((i.decode() for i in r.smembers("processes") if f":{pid}:".encode() in i),
+                                    None), timeout=10, message=f"child {pid}'s heartbeat")
     m.signal(signal.SIGTSTP)
     wait_until(lambda: m.log_events("quiet: no new jobs will start"), timeout=5, interval=0.05,
                message=f"the child to be quiet\n{m.tail()}")
     job = payload.build("sup.quick", ["suspect"], retry=0)
     r.lpush(SUSPECTS, payload.dumps(job))
     r.set(f"forkq:crashes:{job['jid']}", 1)
-    time.sleep(1.0)  # five heartbeats: a non-quiet worker would have run it by now
+    wait_beats(r, child, count=5)  # five heartbeats: a non-quiet worker would have run it by now
     assert suspect_jids(r) == [job["jid"]]
     assert not m.log_events(ISOLATING)
     assert not sup_events(r, "done")
