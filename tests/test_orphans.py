@@ -309,6 +309,8 @@ def test_a_forkq_that_beats_less_often_than_anothers_delay_keeps_its_running_job
     b = instances("b", "--processes", "1", "--concurrency", "1", "--recovery-delay", "1")
     wait_until(lambda: r.hlen(keys.OWNERS) == 2, timeout=20, message="b's child registered")
     wait_until(lambda: r.llen("orphan:ran") == 1, timeout=15, message="a finished the job")
+    # its ack is batched and follows its record by a moment
+    wait_until(lambda: _held_by(r, a) == [], timeout=5, message="a's ack of the job")
     # the moment a's run ended, nothing else holds or waits to run that job
     assert _held(r) == 0 and r.llen("queue:default") == 0 and r.llen(keys.suspects("default")) == 0
     assert not b.events("recovered a dead process's jobs")
