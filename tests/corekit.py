@@ -146,6 +146,16 @@ def workers(redis_url, redis_server):
 
 
 @pytest.fixture
+def no_middleware(monkeypatch):
+    """Without the server middleware imported modules left registered (core_jobs'
+    remember_payload records each payload in the Redis FORKQ_REDIS_URL names): for tests
+    that run jobs under forkq.testing with no Redis. Run alone, or first in an xdist
+    worker, such a test failed with KeyError: 'FORKQ_REDIS_URL'."""
+    from forkq import hooks
+    monkeypatch.setattr(hooks, "SERVER_MIDDLEWARE", [])
+
+
+@pytest.fixture
 def forkq_client(redis_url):
     """forkq's default client pointed at the flushed shared server (reset at teardown)."""
     client = forkq.configure(redis_url)

@@ -21,7 +21,7 @@ import forkq
 from forkq import aio, hooks, limiter, logs, testing, timelimit
 from forkq.manager import Manager
 from forkq.queues import QueueOrder
-from corekit import hand_driven_fixture, run_one
+from corekit import hand_driven_fixture, no_middleware, run_one  # noqa: F401 (a fixture)
 from helpers import wait_until
 from test_supervisor import push, start_master, sup_events, wait_event  # noqa: F401 (a fixture)
 
@@ -392,7 +392,7 @@ def test_the_stop_cancels_tasks_left_on_the_loop_and_ends_its_thread(client, r, 
 
 
 @pytest.mark.timeout(10)
-def test_testing_modes_run_async_jobs_and_refuse_inside_a_running_loop(fresh_loop):
+def test_testing_modes_run_async_jobs_and_refuse_inside_a_running_loop(fresh_loop, no_middleware):
     seen.clear()
     with testing.inline():
         jid = compute.enqueue(2, 2)

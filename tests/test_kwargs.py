@@ -18,7 +18,7 @@ import pytest
 
 import forkq
 from forkq import admin, cron, testing
-from corekit import hand_driven_fixture, run_one
+from corekit import hand_driven_fixture, no_middleware, run_one  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -334,7 +334,7 @@ def test_batch_callbacks_take_kwargs():
         assert jobs.calls(greet) == [([2], {}), ([1], {"locale": "fr"})]
 
 
-def test_fake_mode_records_kwargs_and_drain_runs_with_them():
+def test_fake_mode_records_kwargs_and_drain_runs_with_them(no_middleware):
     calls.clear()
     with testing.fake() as jobs:
         greet.enqueue(1, locale="fr")
@@ -350,7 +350,7 @@ def test_fake_mode_records_kwargs_and_drain_runs_with_them():
     assert [c[:3] for c in calls] == [(1, "hello", "fr"), (2, "hello", "en"), (3, "yo", "en")]
 
 
-def test_inline_mode_runs_with_kwargs_and_keeps_the_result():
+def test_inline_mode_runs_with_kwargs_and_keeps_the_result(no_middleware):
     calls.clear()
     with testing.inline():
         jid = greet.options(keep_result=60).enqueue(1, locale="fr")

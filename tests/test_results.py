@@ -17,7 +17,8 @@ import redis
 
 import forkq
 from forkq import testing
-from corekit import core_jobs, forkq_client, hand_driven_fixture, run_one, workers  # noqa: F401 (fixtures)
+from corekit import (core_jobs, forkq_client, hand_driven_fixture, no_middleware, run_one,  # noqa: F401 (fixtures)
+                     workers)
 from helpers import wait_until
 
 
@@ -280,7 +281,7 @@ def test_result_refuses_a_bad_jid_or_timeout(client):
         forkq.result("a" * 24, timeout=-1, client=client)
 
 
-def test_testing_modes_keep_results_in_memory():
+def test_testing_modes_keep_results_in_memory(no_middleware):
     with testing.inline():
         jid = compute.enqueue(1, 2)
         assert forkq.result(jid) == forkq.result(jid, timeout=1) == [3, 2 ** 70, "naïve"]
