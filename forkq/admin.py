@@ -10,6 +10,7 @@ import math
 import re
 import sys
 import time
+from collections.abc import Collection
 from typing import Any
 
 from . import config
@@ -240,12 +241,14 @@ def _strict(data: object) -> object:
     return root[0]
 
 
-def _table(header: list[str], rows: list[list[object]]) -> list[str]:
-    """Columns as wide as their widest cell; numbers right-aligned, text left-aligned."""
+def _table(header: list[str], rows: list[list[object]], right: Collection[int] = ()) -> list[str]:
+    """Columns as wide as their widest cell; numbers right-aligned, text left-aligned.
+    `right` names columns of numbers given as text (formatted, or "<20") to align as numbers."""
     cells = [[str(c) for c in header]] + [["-" if c is None else _printable(str(c)) for c in row]
                                           for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    numeric = [all(isinstance(row[i], (int, float)) for row in rows) and rows for i in range(len(header))]
+    numeric = [(all(isinstance(row[i], (int, float)) for row in rows) or i in right) and rows
+               for i in range(len(header))]
     def line(row: list[str]) -> str:
         return "  ".join(c.rjust(w) if num else c.ljust(w)
                          for c, w, num in zip(row, widths, numeric)).rstrip()
@@ -290,7 +293,7 @@ def _metrics(conn, args):
              f"{c['total_ms'] / 1000:.1f}", "-" if c["avg_ms"] is None else f"{c['avg_ms']:.1f}",
              _bound(c, "p50_ms"), _bound(c, "p95_ms")] for c in data["classes"]]
     table = _table(["class", "processed", "failed", "failed %", "total s", "avg ms", "p50 ms",
-                    "p95 ms"], rows)
+                    "p95 ms"], rows, right=range(1, 8))
     table.append(f"(last {data['minutes']} min to {data['buckets'][-1]} UTC; times of successful jobs"
                  f"{'' if rows else '; no jobs recorded'})")
     return data, table

@@ -5,6 +5,7 @@ dashboard."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 from datetime import datetime, timedelta, timezone
 
@@ -89,6 +90,24 @@ def test_exact_counts_per_class_in_the_api_and_the_cli_after_a_beat(running, r, 
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:4] == ["class", "processed", "failed", "failed"]
     assert lines[1].split()[:4] == ["jm.Flaky", "3", "2", "66.7"]
+
+
+def test_the_cli_table_right_aligns_every_number_column_as_the_readme_shows(r, redis_url, capsys):
+    table = ClassTable()
+    for _ in range(120):
+        table.observe("app.jobs.Import", "q", 7.7, False)
+    table.observe("app.jobs.Import", "q", 1.0, True)
+    table.observe("app.jobs.Mailer", "q", 0.02, False)
+    _flush(Flusher([table]), r, datetime.now(timezone.utc))
+    capsys.readouterr()
+    assert cli.main(["metrics"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()[:3]
+    # each column's cells end where its heading ends (formatted numbers and "<8500" too)
+    ends = [m.end() for m in re.finditer(r"processed|failed %|failed(?! %)|total s|avg ms|p\d\d ms",
+                                         header)]
+    assert len(ends) == 7
+    for row in rows:
+        assert [m.end() for m in re.finditer(r"\S+", row)][1:] == ends, (header, row)
 
 
 @pytest.mark.timeout(20)
