@@ -242,15 +242,19 @@ class Manager:
         self.quiet_flag = True
         self._wake.set()
 
-    def stop(self, deadline: float) -> bool:
-        """Quiet, then wait until `deadline` (monotonic) for running jobs; True if all ended."""
+    def stop(self, deadline: float, tick: Callable[[], None] | None = None) -> bool:
+        """Quiet, then wait until `deadline` (monotonic) for running jobs; True if all ended.
+        `tick` is called about once a second while jobs run on (the child's report)."""
         self.quiet()
         self._stopping = self.stopping = True
         self._wake.set()
         self._fetcher.join(max(0.0, deadline - time.monotonic()))
         self.waiters.stop(max(0.0, deadline - time.monotonic()))
         for p in self.processors:
-            p.thread.join(max(0.0, deadline - time.monotonic()))
+            while (left := deadline - time.monotonic()) > 0 and p.thread.is_alive():
+                p.thread.join(left if tick is None else min(left, 1.0))
+                if tick is not None and p.thread.is_alive():
+                    tick()
         if any(p.thread.is_alive() for p in self.processors):
             self.hard_stopped = True
             return False

@@ -205,6 +205,12 @@ class Worker:
     _title_shown: tuple[int, bool] | None = None
     _pinged = False
 
+    def _drain_report(self) -> None:
+        # not before a first ping: that would tell the master a child that never got going
+        # had started (see _stop's final ping)
+        if self.report_fd is not None and self._pinged:
+            self._report()
+
     def _ping(self, busy: int) -> None:
         # with the jobs run and failed so far: if this process dies before its heartbeat
         # flushes them, the master adds them to the stats (Supervisor.count_unflushed)
@@ -240,7 +246,10 @@ class Worker:
             self.cron.stop()
         if self.sweeps is not None:
             self.sweeps.stop()
-        finished = self.manager.stop(deadline)
+        # a retired child drains beside its replacement for up to --timeout: it goes on
+        # reporting, or its title and the master's busy count (title, STATUS=, metrics)
+        # would show what ran when it was told to stop until it exits
+        finished = self.manager.stop(deadline, tick=self._drain_report)
         if not finished:
             WATCHDOG.give_up_fired(timeout=1.0)  # before any requeue puts such a job back
         else:

@@ -13,12 +13,13 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 
 from forkq.settings import STOP_GRACE_S, Settings
 from forkq.supervisor import Supervisor
 from helpers import wait_until
-from test_supervisor import (APPS, _pid_gone, _pinging_children, _ping, _recycle_now,  # noqa: F401
+from test_supervisor import (APPS, _pid_gone, _pinging_children, _ping, _recycle_now, _title,  # noqa: F401
                              assert_clean, push, start_master, sup_events, wait_event)
 
 APP = APPS / "recycle_jobs.py"
@@ -56,6 +57,10 @@ def test_a_job_pushed_while_a_recycled_child_drains_starts_in_its_replacement(st
     old, new = _overlap(m, r, redis_url)
     wait_until(lambda: "[1/1 children, 1 draining, " in m.title(), timeout=5,
                message=f"the title counts the slot once and the old child as draining: {m.title()}")
+    # the old child goes on reporting as it drains (it stopped at the stop before): its
+    # title says it is quiet, and the busy count the master adds up stays its own
+    wait_until(lambda: _title(psutil.Process(old)).endswith("[1 of 2 busy, quiet]"), timeout=5,
+               message=f"the draining child's title: {_title(psutil.Process(old))}")
 
     push(redis_url, "recycle.quick", "short")
     (short,) = wait_event(r, m, "start", "short", timeout=5)
