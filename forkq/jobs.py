@@ -196,6 +196,11 @@ class Job:
         if not kwargs and not self.keywords_required:
             self.check_arity(args)
             return
+        if self.iterable and kwargs and "cursor" in kwargs:
+            # the signature checked has no `cursor` (see __init__): bind would call it unknown
+            raise TypeError(f"{self.name} cannot be called with these arguments: `cursor` is "
+                            "for the worker to pass to an iterable job (None at first, then "
+                            "its checkpoint)")
         if self.signature is None:
             return
         try:

@@ -299,8 +299,8 @@ def test_the_decorator_refuses_generators_without_iterable_and_other_misuses():
         def nocursor(n):
             yield n
     with forkq.testing.fake():
-        with pytest.raises(TypeError, match="nothing was pushed"):
-            walk.enqueue(3, cursor=2)  # the worker passes the cursor
+        with pytest.raises(TypeError, match="`cursor` is for the worker to pass.*nothing was pushed"):
+            walk.enqueue(3, cursor=2)  # not "an unexpected keyword argument": it has one
         with pytest.raises(TypeError, match="nothing was pushed"):
             walk.enqueue(3, 2)
 
