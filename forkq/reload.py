@@ -25,6 +25,7 @@ import signal
 import site
 import sys
 import sysconfig
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -225,6 +226,29 @@ def wait_for_change(watcher: Watcher) -> list[str]:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+# as long as an exit gives them (cli.EXIT_GRACE_S)
+ATEXIT_GRACE_S = 2.0
+
+
+def _exec_after(grace: float, argv: list[str], environ: dict[str, str]) -> threading.Event:
+    """Exec from a thread of its own `grace` s from now, unless the main thread's exec
+    comes first (it ends this thread) or the returned event is set (that exec failed).
+    Started with the stop signals blocked, as the main thread has them, so the new
+    process gets them blocked and pending either way."""
+    called_off = threading.Event()
+
+    def cut_short() -> None:
+        if called_off.wait(grace):
+            return
+        log.warning("the app's atexit handlers are still running; restarting without them",
+                    waited_s=grace)
+        logs.flush_all()
+        os.execve(sys.executable, argv, environ)
+
+    threading.Thread(target=cut_short, name="forkq-reload-exit", daemon=True).start()
+    return called_off
+
+
 def reexec(stop_pending: Callable[[], bool] | None = None) -> None:
     """Replace this process with a new run of the same command: same pid, argv, and the
     environment and working directory forkq started with. Does not return, but when
@@ -241,14 +265,20 @@ def reexec(stop_pending: Callable[[], bool] | None = None) -> None:
     # script, `python -c ...`), with any -X or -W options
     argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    cut_short = None
     try:
         if stop_pending is not None and stop_pending():
             return
         os.chdir(cwd)
         # an exec skips what an exit runs: an app's atexit handlers (stopping a process or
         # a thread pool it started at import, flushing a client) would never run, and what
-        # they clean up would be orphaned by the new run, once per reload
+        # they clean up would be orphaned by the new run, once per reload. They get what an
+        # exit gives them: one that hangs would hold the restart, and with the stop signals
+        # blocked, Ctrl-C, for as long as it hung
+        cut_short = _exec_after(ATEXIT_GRACE_S, argv, environ)
         atexit._run_exitfuncs()
         os.execve(sys.executable, argv, environ)
     finally:  # not exec'd: a signal held meanwhile is handled here
+        if cut_short is not None:
+            cut_short.set()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)

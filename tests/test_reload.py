@@ -156,6 +156,40 @@ def _push(r, n: int, hold: bool = False) -> None:
     r.lpush("queue:default", json.dumps(payload))
 
 
+@pytest.mark.timeout(20)
+def test_an_atexit_handler_that_hangs_holds_the_reexec_only_as_long_as_an_exit_would(tmp_path):
+    """reexec runs the app's atexit handlers, which an exec would skip; one that hangs gets
+    the grace an exit gives (shortened here) and the process execs without it, same pid,
+    the stop signals still blocked for the new run's handlers to take."""
+    script = tmp_path / "again.py"
+    script.write_text(f"""
+import atexit, os, signal, sys, time
+sys.path.insert(0, {str(REPO_ROOT)!r})
+from forkq import reload
+if os.environ.get("ROUND") == "2":
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    print("again", os.getpid(), sorted(int(s) for s in blocked & set(reload.STOP_SIGNALS)),
+          flush=True)
+    sys.exit(0)
+os.environ["ROUND"] = "2"
+atexit.register(lambda: print("handler ran", flush=True))
+atexit.register(lambda: time.sleep(60))  # runs first: handlers run last registered first
+reload.ATEXIT_GRACE_S = 0.5
+print("first", os.getpid(), flush=True)
+reload.reexec()
+""")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=15)
+    took = time.monotonic() - started
+    lines = out.stdout.splitlines()
+    pid = lines[0].split()[1]
+    stops = sorted(map(int, reload.STOP_SIGNALS))
+    assert lines[0] == f"first {pid}" and lines[-1] == f"again {pid} {stops}", out
+    assert "handler ran" not in out.stdout  # cut short behind the hanging one, as an exit's
+    assert "atexit handlers are still running" in out.stdout + out.stderr
+    assert took < 10, took
+
+
 @pytest.mark.timeout(60)
 def test_a_master_reloads_on_an_edit_keeps_its_pid_and_survives_a_syntax_error(redis_url, r, tmp_path):
     jobs = tmp_path / "jobs.py"
