@@ -206,10 +206,24 @@ class Worker:
     _pinged = False
 
     def _drain_report(self) -> None:
+        """About once a second while a stop waits for running jobs: report to the master,
+        and dump the threads when asked (TTIN). A drain that does not end is when an
+        operator most wants to see where the jobs are, and the command loop is over."""
         # not before a first ping: that would tell the master a child that never got going
         # had started (see _stop's final ping)
         if self.report_fd is not None and self._pinged:
             self._report()
+        poller = select.poll()
+        for fd in (self._cmd_r, self.control_fd):
+            if fd is not None:
+                poller.register(fd, select.POLLIN)
+        for fd, _events in poller.poll(0):
+            try:
+                data = os.read(fd, 64)
+            except OSError:
+                continue
+            if signal.SIGTTIN in data:  # stop and quiet are under way already
+                dump_threads()
 
     def _ping(self, busy: int) -> None:
         # with the jobs run and failed so far: if this process dies before its heartbeat

@@ -209,6 +209,27 @@ def test_long_job_at_stop_goes_back_first_in_line(workers, forkq_client, r, sign
 
 
 @pytest.mark.timeout(30)
+def test_sigttin_during_a_stop_dumps_the_threads_still_draining(workers, forkq_client, r):
+    """A stop that waits on a job is when an operator asks where it is: TTIN then still
+    dumps the threads (the command loop has ended by then), and the stop goes on."""
+    worker = workers(concurrency=1, timeout=20)
+    core_jobs.sleepy.enqueue(3, "draining")
+    wait_records(r, 1, worker, kind="start")
+    worker.signal(signal.SIGTERM)
+    wait_until(lambda: "stopping" in worker.log_path.read_text(), timeout=5, message="the stop began")
+    worker.signal(signal.SIGTTIN)
+
+    def dump():
+        found = [json.loads(line) for line in worker.log_path.read_text().splitlines()
+                 if line.startswith("{") and "thread dump" in line]
+        return [d for d in found if d.get("thread") == "forkq-processor-0"]
+    (job_thread,) = wait_until(dump, timeout=5, message="a thread dump during the stop")
+    assert "sleepy" in job_thread["stack"]
+    assert worker.wait_exit(timeout=15) == 0
+    assert [rec["args"] for rec in records(r, "end")] == [["draining"]]
+
+
+@pytest.mark.timeout(30)
 def test_several_interrupted_jobs_go_back_in_their_original_order(workers, forkq_client, r):
     core_jobs.sleepy.enqueue_many([[30, tag] for tag in "ABCDE"])
     worker = workers(concurrency=3, timeout=1)
