@@ -52,6 +52,8 @@ REDIS_TIMEOUT_S = 5.0
 # How often a master whose loop turns touches its pidfile: `forkq ctl check --stuck-after`
 # judges a stuck master by the file's age
 PIDFILE_TOUCH_S = 5.0
+# read_report takes 4 KiB a call: this many drain a default-sized (64 KiB) pipe
+PIPE_READS = 16
 
 
 @dataclass
@@ -720,9 +722,11 @@ class Supervisor:
                 continue
             if now - child.last_ping > self.settings.hang_timeout and child.reason != "hang":
                 # its pings may be waiting unread: this loop itself was held up (a Redis
-                # stall in a sweep, up to its 5 s timeout), not the child
-                while self.read_report(child):
-                    pass
+                # stall in a sweep, up to its 5 s timeout), not the child. A pipe's worth
+                # at most (64 KiB): a child that writes without end must not hold the loop
+                for _ in range(PIPE_READS):
+                    if not self.read_report(child):
+                        break
                 if self.state == "stopping" or now - child.last_ping <= self.settings.hang_timeout:
                     continue
                 log.error("child stopped pinging; killing it", slot=child.slot, child_pid=child.pid,

@@ -1165,3 +1165,40 @@ def test_a_child_whose_pings_wait_unread_is_not_killed_as_hung():
         for child, report_w, control_r in made:
             for fd in (report_w, control_r, child.report_r, child.control_w):
                 os.close(fd)
+
+
+@pytest.mark.timeout(20)
+def test_reading_a_silent_childs_waiting_pings_stops_at_a_pipes_worth():
+    """murder_hung_children reads a child's waiting pings before judging it hung (the loop
+    itself may have been held up). A child writing without end (a bug, a job writing to the
+    report pipe's number) must not keep the master reading: before, the loop ran for as long
+    as the child wrote, and the master's loop with it (signals, reaping, every other child)."""
+    from forkq.settings import Settings
+    from forkq.supervisor import Supervisor
+    sup = Supervisor(Settings(processes=1, hang_timeout=2))
+    made = _pinging_children(sup, range(1))
+    (child, report_w, _), = made
+    flood = subprocess.Popen(
+        [sys.executable, "-c", "import os, time\nline = b'B1 7 0\\n' * 600\nend = time.monotonic() + 6\n"
+                               "while time.monotonic() < end:\n    os.write(1, line)\n"],
+        stdout=report_w)
+    try:
+        wait_until(lambda: select_readable(child.report_r), timeout=5, message="the flood began")
+        child.last_ping = time.monotonic() - 3  # the loop was held up for 3 s
+        started = time.monotonic()
+        sup.murder_hung_children()
+        took = time.monotonic() - started
+        assert child.reason == "" and child.totals == (7, 0)  # alive: its pings were read
+        assert took < 1.0, took
+        assert flood.poll() is None  # it was still writing when the master went on
+    finally:
+        flood.kill()
+        flood.wait()
+        os.close(sup._sig_r)
+        os.close(sup._sig_w)
+        _close_children(made)
+
+
+def select_readable(fd: int) -> bool:
+    import select
+    return bool(select.select([fd], [], [], 0)[0])
