@@ -136,9 +136,11 @@ class Launcher:
             else:
                 self._refused = False
             self._stop.wait(self.interval)
+            # cleared before the look: a stop() landing between a look and the clear would
+            # be erased, and the thread would beat again and sleep a whole interval past it
+            self._stop.clear()
             if self._stopping:
                 return
-            self._stop.clear()
 
     def _stats(self, pipe: Any, keep_s: int = keys.FLUSHED_TTL_S) -> None:
         processed, failed = self.manager.counts()

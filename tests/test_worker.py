@@ -945,3 +945,40 @@ def test_sigttin_logs_every_thread_stack(workers):
     found = wait_until(dumps, timeout=5, message=f"a thread dump of {sorted(expected)} in the log")
     assert all("File " in d["stack"] for d in found)
     worker.assert_alive()  # TTIN only dumps; the worker keeps running
+
+
+@pytest.mark.timeout(20)
+def test_a_stop_that_lands_as_the_heartbeat_wakes_ends_the_heartbeat_at_once(redis_url, r):
+    """A stopping worker wakes its heartbeat (beat_soon) and soon after ends it
+    (Launcher.stop). A stop landing after the woken thread had looked for it but before it
+    cleared its event was erased: the thread beat once more and slept a whole interval,
+    the stop waited its 5 s join and its final flush took the beat for stuck."""
+    from forkq.launcher import Launcher
+    manager = Manager(lambda: redis.Redis.from_url(redis_url), "stop-race:1",
+                      QueueOrder([("default", 0)]), concurrency=1)
+    launcher = Launcher(manager.redis, "stop-race:1", manager, {"concurrency": 1},
+                        on_signal=lambda signum: None, interval=30)
+    armed = threading.Event()
+
+    class StopLandsHere(threading.Event):
+        def clear(self) -> None:
+            if armed.is_set():  # the stop lands here, between the look and the clear
+                armed.clear()
+                launcher._stopping = True
+                super().set()
+            super().clear()
+
+    launcher._stop = StopLandsHere()
+    try:
+        manager._register()
+        launcher.start()
+        wait_until(lambda: r.exists("stop-race:1"), timeout=5, message="the first beat")
+        armed.set()
+        launcher.beat_soon()
+        launcher._thread.join(3)
+        assert not armed.is_set(), "the woken heartbeat never cleared its event"
+        assert not launcher._thread.is_alive(), "the heartbeat slept on past the stop"
+    finally:
+        launcher._stopping = True
+        threading.Event.set(launcher._stop)
+        manager.fetch.close()
