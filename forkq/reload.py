@@ -230,7 +230,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 ATEXIT_GRACE_S = 2.0
 
 
-def _exec_after(grace: float, argv: list[str], environ: dict[str, str]) -> threading.Event:
+def _exec_after(grace: float, argv: list[str], environ: dict[str, str], cwd: str) -> threading.Event:
     """Exec from a thread of its own `grace` s from now, unless the main thread's exec
     comes first (it ends this thread) or the returned event is set (that exec failed).
     Started with the stop signals blocked, as the main thread has them, so the new
@@ -243,6 +243,7 @@ def _exec_after(grace: float, argv: list[str], environ: dict[str, str]) -> threa
         log.warning("the app's atexit handlers are still running; restarting without them",
                     waited_s=grace)
         logs.flush_all()
+        os.chdir(cwd)
         os.execve(sys.executable, argv, environ)
 
     threading.Thread(target=cut_short, name="forkq-reload-exit", daemon=True).start()
@@ -269,14 +270,16 @@ def reexec(stop_pending: Callable[[], bool] | None = None) -> None:
     try:
         if stop_pending is not None and stop_pending():
             return
-        os.chdir(cwd)
         # an exec skips what an exit runs: an app's atexit handlers (stopping a process or
         # a thread pool it started at import, flushing a client) would never run, and what
         # they clean up would be orphaned by the new run, once per reload. They get what an
         # exit gives them: one that hangs would hold the restart, and with the stop signals
-        # blocked, Ctrl-C, for as long as it hung
-        cut_short = _exec_after(ATEXIT_GRACE_S, argv, environ)
+        # blocked, Ctrl-C, for as long as it hung. They run where the app left the process,
+        # as at an exit (a relative socket or lock file it removes is its own), and the
+        # exec goes back to where forkq began
+        cut_short = _exec_after(ATEXIT_GRACE_S, argv, environ, cwd)
         atexit._run_exitfuncs()
+        os.chdir(cwd)
         os.execve(sys.executable, argv, environ)
     finally:  # not exec'd: a signal held meanwhile is handled here
         if cut_short is not None:

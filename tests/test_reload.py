@@ -190,6 +190,32 @@ reload.reexec()
     assert took < 10, took
 
 
+@pytest.mark.timeout(20)
+def test_the_atexit_handlers_run_where_the_app_left_the_process_and_the_exec_where_it_began(tmp_path):
+    """An app that chdirs at import has its atexit handlers run in its own directory, as
+    at an exit (one removing a relative socket or lock file finds it), and the new run
+    starts where forkq began. Before, reexec went back to the start directory first, and
+    the handlers ran there."""
+    (tmp_path / "app").mkdir()
+    script = tmp_path / "again.py"
+    script.write_text(f"""
+import atexit, os, sys
+sys.path.insert(0, {str(REPO_ROOT)!r})
+from forkq import reload
+if os.environ.get("ROUND") == "2":
+    print("again", os.getcwd(), flush=True)
+    sys.exit(0)
+os.environ["ROUND"] = "2"
+reload.remember_start()
+os.chdir("app")  # the app, at import
+atexit.register(lambda: print("handler", os.getcwd(), flush=True))
+reload.reexec()
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=15,
+                         cwd=tmp_path)
+    assert out.stdout.splitlines() == [f"handler {tmp_path / 'app'}", f"again {tmp_path}"], out
+
+
 @pytest.mark.timeout(60)
 def test_a_master_reloads_on_an_edit_keeps_its_pid_and_survives_a_syntax_error(redis_url, r, tmp_path):
     jobs = tmp_path / "jobs.py"
