@@ -230,7 +230,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 ATEXIT_GRACE_S = 2.0
 
 
-def _exec_after(grace: float, argv: list[str], environ: dict[str, str], cwd: str) -> threading.Event:
+def _exec_after(grace: float, argv: list[str], environ: dict[str, str], cwd: str,
+                stop_pending: Callable[[], bool] | None) -> threading.Event:
     """Exec from a thread of its own `grace` s from now, unless the main thread's exec
     comes first (it ends this thread) or the returned event is set (that exec failed).
     Started with the stop signals blocked, as the main thread has them, so the new
@@ -243,6 +244,10 @@ def _exec_after(grace: float, argv: list[str], environ: dict[str, str], cwd: str
         log.warning("the app's atexit handlers are still running; restarting without them",
                     waited_s=grace)
         logs.flush_all()
+        if stop_pending is not None and stop_pending():
+            # a stop an app's thread took meanwhile (see reexec) is made pending in this
+            # one, blocked: it stays so across the exec, and the new run ends at its start
+            signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
         os.chdir(cwd)
         os.execve(sys.executable, argv, environ)
 
@@ -277,8 +282,13 @@ def reexec(stop_pending: Callable[[], bool] | None = None) -> None:
         # blocked, Ctrl-C, for as long as it hung. They run where the app left the process,
         # as at an exit (a relative socket or lock file it removes is its own), and the
         # exec goes back to where forkq began
-        cut_short = _exec_after(ATEXIT_GRACE_S, argv, environ, cwd)
+        cut_short = _exec_after(ATEXIT_GRACE_S, argv, environ, cwd, stop_pending)
         atexit._run_exitfuncs()
+        # the stop signals are blocked in this thread only: one sent while the handlers
+        # ran went to a thread of the app's if it has one, and the master's trap wrote it
+        # to its self-pipe. Unread, it was lost, and the master started again
+        if stop_pending is not None and stop_pending():
+            return
         os.chdir(cwd)
         os.execve(sys.executable, argv, environ)
     finally:  # not exec'd: a signal held meanwhile is handled here

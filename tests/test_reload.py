@@ -216,6 +216,77 @@ reload.reexec()
     assert out.stdout.splitlines() == [f"handler {tmp_path / 'app'}", f"again {tmp_path}"], out
 
 
+@pytest.mark.timeout(20)
+def test_a_stop_that_an_apps_thread_takes_during_the_atexit_handlers_cancels_the_reexec(tmp_path):
+    """reexec blocks the stop signals in its own thread only: one sent while the app's
+    atexit handlers run goes to a thread of the app's, and the master's trap writes it to
+    the self-pipe. Before, nothing read it again: the stop was lost and the master started
+    again. Now reexec looks once more after the handlers and returns (the master exits)."""
+    script = tmp_path / "again.py"
+    script.write_text(f"""
+import atexit, os, signal, sys, threading, time
+sys.path.insert(0, {str(REPO_ROOT)!r})
+from forkq import reload
+if os.environ.get("ROUND") == "2":
+    print("again", flush=True)
+    sys.exit(0)
+os.environ["ROUND"] = "2"
+r, w = os.pipe()
+os.set_blocking(r, False)
+os.set_blocking(w, False)
+signal.set_wakeup_fd(w)  # the master's traps, as Supervisor.run sets them
+signal.signal(signal.SIGTERM, lambda *a: None)
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # the app's thread
+
+def stop_pending():
+    try:
+        return signal.SIGTERM in os.read(r, 256)
+    except BlockingIOError:
+        return False
+
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.2)))  # ctl stop
+reload.reexec(stop_pending)
+print("stopped instead", flush=True)
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=15)
+    assert out.stdout.splitlines() == ["stopped instead"], out
+
+
+@pytest.mark.timeout(20)
+def test_a_stop_taken_during_a_hanging_atexit_handler_is_pending_in_the_new_run(tmp_path):
+    """As above, but the handler hangs: the grace thread execs in its place, and the stop
+    the app's thread took is pending (blocked) in the new run, which cli.start turns into
+    an exit, instead of lost."""
+    script = tmp_path / "again.py"
+    script.write_text(f"""
+import atexit, os, signal, sys, threading, time
+sys.path.insert(0, {str(REPO_ROOT)!r})
+from forkq import reload
+if os.environ.get("ROUND") == "2":
+    print("again", sorted(int(s) for s in signal.sigpending()), flush=True)
+    sys.exit(0)
+os.environ["ROUND"] = "2"
+r, w = os.pipe()
+os.set_blocking(r, False)
+os.set_blocking(w, False)
+signal.set_wakeup_fd(w)
+signal.signal(signal.SIGTERM, lambda *a: None)
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+
+def stop_pending():
+    try:
+        return signal.SIGTERM in os.read(r, 256)
+    except BlockingIOError:
+        return False
+
+reload.ATEXIT_GRACE_S = 0.5
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(60)))
+reload.reexec(stop_pending)
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=15)
+    assert out.stdout.splitlines()[-1:] == [f"again {[int(signal.SIGTERM)]}"], out
+
+
 @pytest.mark.timeout(60)
 def test_a_master_reloads_on_an_edit_keeps_its_pid_and_survives_a_syntax_error(redis_url, r, tmp_path):
     jobs = tmp_path / "jobs.py"
