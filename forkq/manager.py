@@ -250,11 +250,18 @@ class Manager:
         self._wake.set()
         self._fetcher.join(max(0.0, deadline - time.monotonic()))
         self.waiters.stop(max(0.0, deadline - time.monotonic()))
+        # ticks go by the clock, not by each thread's join: threads ending less than a
+        # second apart would otherwise drain with no tick at all
+        next_tick = time.monotonic() + 1.0
         for p in self.processors:
             while (left := deadline - time.monotonic()) > 0 and p.thread.is_alive():
-                p.thread.join(left if tick is None else min(left, 1.0))
-                if tick is not None and p.thread.is_alive():
+                if tick is None:
+                    p.thread.join(left)
+                    continue
+                p.thread.join(min(left, max(0.0, next_tick - time.monotonic())))
+                if p.thread.is_alive() and time.monotonic() >= next_tick:
                     tick()
+                    next_tick = time.monotonic() + 1.0
         if any(p.thread.is_alive() for p in self.processors):
             self.hard_stopped = True
             return False

@@ -982,3 +982,36 @@ def test_a_stop_that_lands_as_the_heartbeat_wakes_ends_the_heartbeat_at_once(red
         launcher._stopping = True
         threading.Event.set(launcher._stop)
         manager.fetch.close()
+
+
+@forkq.job(queue="tickq", name="tick.staggered", retry=0)
+def _staggered() -> None:
+    # processor N's job ends 0.6 s after processor N-1's: each one's join returns early
+    index = int(threading.current_thread().name.rsplit("-", 1)[1])
+    time.sleep(0.6 * (index + 1))
+
+
+@pytest.mark.timeout(20)
+def test_a_drain_ticks_about_once_a_second_while_its_jobs_end_one_by_one(redis_url, r, monkeypatch):
+    """Manager.stop calls its tick (a draining child's report: busy count, title) about once
+    a second while jobs run on. It ticked only when a thread outlived a whole 1 s join: jobs
+    ending less than a second apart, each on the next thread joined, drained with no tick
+    at all, however long they took together."""
+    from forkq import hooks
+    from helpers import InProcessWorkers
+    monkeypatch.setattr(hooks, "SERVER_MIDDLEWARE", [])
+    w = InProcessWorkers(redis_url, "tick-test:1", "tickq", 5.0)
+    try:
+        manager, launcher = w.start(concurrency=3)
+        c = forkq.Client(redis_url)
+        for _ in range(3):
+            c.push("tick.staggered", [], queue="tickq")
+        wait_until(lambda: manager.busy() == 3, timeout=5, interval=0.01, message="three jobs running")
+        ticks: list[float] = []
+        started = time.monotonic()
+        assert manager.stop(started + 10, tick=lambda: ticks.append(time.monotonic() - started))
+        took = time.monotonic() - started
+        assert 1.4 < took < 3, took
+        assert ticks and ticks[0] < 1.3, ticks  # busy went out while the last two ran on
+    finally:
+        w.close()
