@@ -84,14 +84,26 @@ def check(fn: Callable[..., Any], name: str) -> None:
         raise TypeError(f"@forkq.job {name}: `cursor` must be passable by keyword")
 
 
-def unexpiring(raw: bytes | str) -> bytes | str:
-    """The payload an interrupted job goes back with: without its expires_at, which bounds
+def requeued(raw: bytes | str, now: float | None = None) -> bytes | str:
+    """The payload an interrupted job goes back with. Without its expires_at, which bounds
     when a job may start, and this one started (forkq interrupted it, where it would
-    otherwise have run on): dropped as expired, it would be left half done. '' to put it
-    back as fetched (no expiry, or a payload json or UTF-8 cannot write back: NaN, a lone
-    surrogate escape, which redis-py would refuse to send)."""
+    otherwise have run on): dropped as expired, it would be left half done. With its
+    enqueued_at set to now, in the unit it had: a queue's latency is read off its oldest
+    job's enqueued_at, and an export interrupted after two hours would make its queue look
+    two hours behind at each deploy, to an operator and to an autoscaler. '' to put it back
+    as fetched (nothing to change, or a payload json or UTF-8 cannot write back: NaN, a
+    lone surrogate escape, which redis-py would refuse to send)."""
     job = payload.parse(raw)
-    if job.pop("expires_at", None) is None:
+    changed = job.pop("expires_at", None) is not None
+    at = job.get("enqueued_at")
+    if type(at) in (int, float):
+        now = time.time() if now is None else now
+        # Sidekiq 8's integer milliseconds, integer seconds (a client whose JSON drops the
+        # .0), or float seconds: as payload.py reads them
+        job["enqueued_at"] = (now if type(at) is float else
+                              int(now * 1000) if at >= 10**11 else int(now))
+        changed = True
+    if not changed:
         return ""
     try:
         return payload.dumps(job).encode("utf-8")

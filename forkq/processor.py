@@ -427,7 +427,7 @@ class Processor:
         try:
             back = self.manager.write(script, [fetch.inflight_key, exc.key],
                                       [unit.token, exc.state or "", iterate.TTL_S, keys.CRASH_PREFIX,
-                                       keys.SUSPECTS_PREFIX, iterate.unexpiring(unit.raw)],
+                                       keys.SUSPECTS_PREFIX, iterate.requeued(unit.raw)],
                                       patient=True)
         except Exception as err:
             log.error("could not put an interrupted iterable job back; it stays in flight for the "

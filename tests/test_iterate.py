@@ -144,6 +144,7 @@ def items(run=None):
 def test_a_stop_puts_the_job_back_at_the_head_with_its_checkpoint_and_a_new_worker_resumes(world, r):
     manager, launcher = world("test:1:iterA00000001")
     jid = walk.enqueue(400)  # 0.8 s of items: the stop lands in the middle
+    pushed = time.time()
     r.lpush(f"queue:{QUEUE}", json.dumps({"class": "it.other", "args": [], "jid": "x" * 24,
                                           "queue": QUEUE}))  # pushed later: behind it
     wait_until(lambda: len(done) >= 50, timeout=5, message="50 items")
@@ -155,6 +156,8 @@ def test_a_stop_puts_the_job_back_at_the_head_with_its_checkpoint_and_a_new_work
     assert ("closed", "GeneratorExit") in runs, "the generator was closed: its finally ran"
     head = json.loads(r.lindex(f"queue:{QUEUE}", -1))  # the right end: the next one fetched
     assert head["jid"] == jid and "error_class" not in head and "retry_count" not in head
+    # dated as it went back: the queue's latency is not the run's length
+    assert head["enqueued_at"] > pushed + 0.05 and head["created_at"] <= pushed
     assert r.llen(f"queue:{QUEUE}") == 2
     assert r.hlen(keys.inflight("test:1:iterA00000001")) == 0
     assert checkpoint(r, jid) == first[-1]

@@ -168,14 +168,22 @@ def test_testing_modes_refuse_a_cursor_json_cannot_carry_as_a_worker_does(monkey
         set_cursor.enqueue(2)  # JSON cursors walk through as before
 
 
-def test_the_payload_put_back_drops_only_expires_at_and_falls_back_to_the_one_fetched():
-    assert iterate.unexpiring(b'{"class":"a","args":[1],"jid":"j"}') == ""  # as fetched
-    assert json.loads(iterate.unexpiring(
+def test_the_payload_put_back_drops_expires_at_dates_enqueued_at_and_falls_back_to_the_one_fetched():
+    assert iterate.requeued(b'{"class":"a","args":[1],"jid":"j"}') == ""  # as fetched
+    assert json.loads(iterate.requeued(
         '{"class":"a","args":["\u00e9"],"jid":"j","expires_at":1.5}'.encode())) == {
         "class": "a", "args": ["\u00e9"], "jid": "j"}
+    # enqueued_at is now, in the unit the payload had it in: the queue's latency is read
+    # off it, and an interrupted long job would otherwise show its queue hours behind
+    now = 1_800_000_000.25
+    for at, want in ((1_700_000_000.5, now), (1_700_000_000, 1_800_000_000),
+                     (1_700_000_000_000, 1_800_000_000_250)):
+        back = json.loads(iterate.requeued(
+            json.dumps({"class": "a", "args": [], "jid": "j", "enqueued_at": at}), now=now))
+        assert back["enqueued_at"] == want and type(back["enqueued_at"]) is type(want)
     # what json or redis-py cannot write back goes back as fetched, not stays in flight
-    assert iterate.unexpiring(b'{"class":"a","args":[NaN],"jid":"j","expires_at":1}') == ""
-    assert iterate.unexpiring(b'{"class":"a","args":["\\udc80"],"jid":"j","expires_at":1}') == ""
+    assert iterate.requeued(b'{"class":"a","args":[NaN],"jid":"j","expires_at":1}') == ""
+    assert iterate.requeued(b'{"class":"a","args":["\\udc80"],"jid":"j","expires_at":1}') == ""
 
 
 closing = threading.Event()  # set while `slow_close` is in its finally
