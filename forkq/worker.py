@@ -252,7 +252,6 @@ class Worker:
         deadline = time.monotonic() + self.settings.timeout
         # what is written to Redis after the jobs is done by the time the master would kill us
         self.manager.limit_patience(deadline + STOP_GRACE_S - 1.0)
-        self.launcher.info["quiet"] = True
         self.manager.quiet()
         self.launcher.beat_soon()  # status shows it draining now, not at the next beat
         self.scheduler.stop()
