@@ -547,18 +547,12 @@ class Processor:
         by the watchdog in a thread of its own once --time-limit-grace passed."""
         exc = JobCancelled(f"{cancel_message(request)} (the job could not be interrupted: given up "
                            f"{over:.0f} s after its cancel)")
-        job = payload.parse(unit.raw)
-        job["queue"] = unit.queue
-        self.failed += 1
-        try:
-            fate = self.manager.write(self.outcomes.failed, job, exc, unit.token, lookup(job["class"]))
-        except Exception:
-            log.exception("could not record the cancellation of a job that could not be interrupted; "
-                          "it stays in flight, and runs again once its process is replaced",
-                          jid=job.get("jid"))
-            return
-        self._log_cancelled(job, fate, request=request, queue=unit.queue,
-                            **{"class": payload.display_name(job)})
+        recorded = self._record_given_up(unit, exc, None, "the cancellation of a job that could not "
+                                         "be interrupted")
+        if recorded is not None:
+            job, fate = recorded
+            self._log_cancelled(job, fate, request=request, queue=unit.queue,
+                                **{"class": payload.display_name(job)})
 
     def _log_cancelled(self, job: dict[str, Any], fate: str, request: Any = None, **fields: Any) -> None:
         by, reason = cancel_request(self.cancel_request if request is None else request)
@@ -569,18 +563,29 @@ class Processor:
         interrupted; run by the watchdog in a thread of its own."""
         exc = TimeLimitExceeded(f"the job ran longer than its time limit of {limit:g} s and could "
                                 f"not be interrupted; given up {over:.0f} s past it")
+        recorded = self._record_given_up(unit, exc, jobdef, "the failure of a job given up past its "
+                                         "time limit")
+        if recorded is not None:
+            job, fate = recorded
+            log.warning("fail", jid=job.get("jid"), queue=unit.queue, fate=fate,
+                        error=f"TimeLimitExceeded: {exc}", **{"class": payload.display_name(job)})
+
+    def _record_given_up(self, unit: Unit, exc: BaseException, jobdef: Any,
+                         what: str) -> tuple[dict[str, Any], str] | None:
+        """Write the outcome of a job the watchdog gave up, stuck in a call: (job, fate), or
+        None if it could not be written (the job then stays in flight). `jobdef` None: the
+        job's own, looked up by its class."""
         job = payload.parse(unit.raw)
         job["queue"] = unit.queue
         self.failed += 1
         try:
-            fate = self.manager.write(self.outcomes.failed, job, exc, unit.token, jobdef)
+            fate = self.manager.write(self.outcomes.failed, job, exc, unit.token,
+                                      lookup(job["class"]) if jobdef is None else jobdef)
         except Exception:
-            log.exception("could not record the failure of a job given up past its time limit; it "
-                          "stays in flight, and runs again once its process is replaced",
-                          jid=job.get("jid"))
-            return
-        log.warning("fail", jid=job.get("jid"), queue=unit.queue, fate=fate,
-                    error=f"TimeLimitExceeded: {exc}", **{"class": payload.display_name(job)})
+            log.exception(f"could not record {what}; it stays in flight, and runs again once its "
+                          "process is replaced", jid=job.get("jid"))
+            return None
+        return job, fate
 
     def _malformed(self, unit: Unit, reason: str) -> bool:
         # parked on a queue nobody serves, like the scheduler's and the Lua scripts' malformed
