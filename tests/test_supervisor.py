@@ -1069,6 +1069,13 @@ def _close_children(made) -> None:
             os.close(fd)
 
 
+def _close_master(sup, made) -> None:
+    """An in-process Supervisor's self-pipe, and both ends of its made children's pipes."""
+    os.close(sup._sig_r)
+    os.close(sup._sig_w)
+    _close_children(made)
+
+
 @pytest.mark.timeout(10)
 def test_max_jobs_counts_a_failed_job_once():
     """A ping carries (processed, failed), processed counting every job that ended, the
@@ -1086,9 +1093,7 @@ def test_max_jobs_counts_a_failed_job_once():
         _recycle_now(sup)
         assert child.reason == "jobs" and child.stopping_since is not None
     finally:
-        os.close(sup._sig_r)
-        os.close(sup._sig_w)
-        _close_children(made)
+        _close_master(sup, made)
 
 
 @pytest.mark.timeout(10)
@@ -1115,9 +1120,7 @@ def test_max_jobs_waits_until_every_slot_has_a_child_up_before_the_next_recycle(
         _recycle_now(sup)
         assert old.reason == "jobs" and old.stopping_since is not None
     finally:
-        os.close(sup._sig_r)
-        os.close(sup._sig_w)
-        _close_children(made)
+        _close_master(sup, made)
 
 
 @pytest.mark.timeout(10)
@@ -1136,9 +1139,7 @@ def test_a_child_killed_as_hung_is_not_retired_again_under_another_reason():
         _recycle_now(sup)
         assert child.reason == "hang" and child.stopping_since is None
     finally:
-        os.close(sup._sig_r)
-        os.close(sup._sig_w)
-        _close_children(made)
+        _close_master(sup, made)
 
 
 @pytest.mark.timeout(10)
@@ -1160,11 +1161,7 @@ def test_a_child_whose_pings_wait_unread_is_not_killed_as_hung():
         assert alive.reason == "" and alive.busy == 1 and alive.totals == (7, 0)
         assert silent.reason == "hang"
     finally:
-        os.close(sup._sig_r)
-        os.close(sup._sig_w)
-        for child, report_w, control_r in made:
-            for fd in (report_w, control_r, child.report_r, child.control_w):
-                os.close(fd)
+        _close_master(sup, made)
 
 
 @pytest.mark.timeout(20)
@@ -1194,9 +1191,7 @@ def test_reading_a_silent_childs_waiting_pings_stops_at_a_pipes_worth():
     finally:
         flood.kill()
         flood.wait()
-        os.close(sup._sig_r)
-        os.close(sup._sig_w)
-        _close_children(made)
+        _close_master(sup, made)
 
 
 def select_readable(fd: int) -> bool:
