@@ -57,6 +57,14 @@ class UnknownJob(ForkqError):
     """A payload names a job that no required module registered."""
 
 
+class UnrunnablePayload(ForkqError, TypeError):
+    """A payload its job can never run with, whatever the code deployed: an iterable job's
+    `kwargs` naming `cursor`, which the worker passes itself (another client's push, a
+    hand-written payload; forkq's own push refuses it). Every retry would fail the same
+    way, so the job goes to the dead set at once, its payload whole, whatever its `retry`
+    and `dead` options say (dropping it would lose a job that never ran)."""
+
+
 class TimeLimitExceeded(BaseException):
     """Raised inside a job that ran longer than its `@forkq.job(time_limit=...)`.
 

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import logs, payload
-from .errors import JobCancelled
+from .errors import JobCancelled, UnrunnablePayload
 
 PREFIX = "forkq:iter:"
 FLUSH_S = 5.0  # seconds between checkpoints while a job runs (as Sidekiq's iterable jobs)
@@ -160,6 +160,12 @@ def runner(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     module docstring says and returns the generator's return value."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
+        if "cursor" in kwargs:
+            # another client's push (forkq's refuses it): "multiple values for cursor" at
+            # every run, its retries used up for nothing
+            raise UnrunnablePayload(
+                f"iterable job {name}: the payload's kwargs name `cursor`, which the worker passes "
+                "itself (None at first, then the checkpoint's); push it without `cursor`")
         current = getattr(_job, "current", None)
         proc = current[4] if current is not None else None
         manager = getattr(proc, "manager", None)

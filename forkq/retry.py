@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from . import batch, hooks, keys, logs, payload, results, scripts, unique
-from .errors import JobCancelled, UnknownJob
+from .errors import JobCancelled, UnknownJob, UnrunnablePayload
 from .fetch import writes_refused
 
 if TYPE_CHECKING:
@@ -332,7 +332,10 @@ class Outcomes:
         # An operator's cancel (forkq cancel): to dead whatever the job's retry options say,
         # without its retries_exhausted hook, for a person to look at (and retry from there)
         cancelled = isinstance(exc, JobCancelled)
-        if retry_option(job, jobdef) is False and not unknown and not cancelled:
+        # A payload no retry can run (an iterable job's kwargs naming `cursor`): to dead at
+        # once, kept whatever its options say, for a person to fix and push again
+        unrunnable = isinstance(exc, UnrunnablePayload)
+        if retry_option(job, jobdef) is False and not unknown and not cancelled and not unrunnable:
             return self._ending("dropped", drop, keep, exc)
         record_failure(job, exc, now)
         # Before the retry-or-dead decision, as Sidekiq's JobRetry does: a dead entry names
@@ -345,6 +348,9 @@ class Outcomes:
         if cancelled:
             return self._ending("dead", lambda token, client=None: self._cancelled(job, token, now, lock, client),
                                 keep, exc)
+        if unrunnable:
+            return self._ending("dead", lambda token, client=None: self.to_dead(job, token, now, lock=lock,
+                                                                               client=client), keep, exc)
         count = job["retry_count"]
         over = _retry_for_over(job, now)
         if not (count >= limit if over is None else over):

@@ -289,3 +289,23 @@ def test_a_cancel_wins_over_a_finally_that_raises_as_it_closes_the_job(world, r)
     assert "(stopped between two items)" in dead["error_message"]
     assert not r.hexists(keys.CANCEL, jid)
     assert checkpoint(r, jid) == items()[-1], "kept: a retry from dead resumes"
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("options", [{"retry": 5}, {"retry": False}])
+def test_another_clients_payload_naming_cursor_goes_to_dead_at_once_whole(world, r, options):
+    """forkq's push refuses `cursor` in kwargs (the worker passes it); a Ruby client's or a
+    hand-written payload gets past that. It would fail with "multiple values for cursor" at
+    every run, so it goes to dead at once, with the reason, payload whole, even with
+    retry=False (dropping it would lose a job that never ran)."""
+    world("test:1:revCur000001")
+    job = {"class": "it.walk", "queue": QUEUE, "args": [3], "kwargs": {"cursor": 1},
+           "jid": "c0ffee0000000000000000ab", "created_at": time.time(),
+           "enqueued_at": time.time(), **options}
+    r.lpush(f"queue:{QUEUE}", json.dumps(job))
+    entry = wait_until(lambda: r.zrange("dead", 0, -1), timeout=5, message="a dead entry")
+    dead = json.loads(entry[0])
+    assert dead["error_class"] == "forkq.errors.UnrunnablePayload"
+    assert "kwargs name `cursor`" in dead["error_message"] and "it.walk" in dead["error_message"]
+    assert dead["kwargs"] == {"cursor": 1} and dead["args"] == [3] and dead["jid"] == job["jid"]
+    assert r.zcard("retry") == 0 and done == [], "no retry, and no item ran"
