@@ -17,7 +17,8 @@ not crash: a process that stopped gracefully while Redis was down could not put 
 back or say that it stopped, and nothing in Redis tells it from one SIGKILLed. Counting
 those too is accepted: each recovery only makes a job a suspect, run alone once and
 cleared when it ends, so only --poison-after (3) such recoveries, each within 72 hours of
-the last and with no run to its end between them, send an innocent job to dead.
+the last and with no run to its end between them, send an innocent job to dead (for an
+iterable job, with no move of its checkpoint between them either: see requeue_all.lua).
 """
 
 from __future__ import annotations

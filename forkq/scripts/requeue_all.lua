@@ -11,6 +11,13 @@
 -- by a stop) goes onto the suspects list too: back on its queue it would run beside others
 -- again.
 --
+-- An iterable job (forkq/iterate.py) that checkpoints progress between its deaths is no
+-- poison: each long run OOM-killed after hours of items resumes further on, which is what
+-- such jobs are for. Its count counts the deaths since its checkpoint last moved: beside
+-- the count, at (count key) .. ':cursor', is the SHA1 of the checkpoint's cursor as it was
+-- at the last death counted; a death that finds another cursor starts the count again at
+-- 1. A job with no checkpoint (any other job) costs one GET of a missing key per death.
+--
 -- An in-flight entry in no known form goes to dead with the reason.
 --
 -- KEYS[1] in-flight hash, KEYS[2] owners registry, KEYS[3..] landing lists
@@ -69,6 +76,16 @@ for _, item in ipairs(items) do
     local id, decoded = crash_id(job)
     local key = id and ARGV[5] .. id
     if crashed and key then
+      local point = type(decoded['jid']) == 'string' and redis.call('GET', 'forkq:iter:' .. id)
+      if point then
+        -- the cursor's own text: iterate._dump writes {"cursor": C, "at": TIME}, and the
+        -- time changes at every write, moved or not
+        local mark = redis.sha1hex(string.match(point, '^{"cursor": (.*), "at": [-+.%deE]+}$') or point)
+        if redis.call('GET', key .. ':cursor') ~= mark then
+          redis.call('DEL', key)  -- it moved since the last death counted: count afresh
+        end
+        redis.call('SET', key .. ':cursor', mark, 'EX', 259200)
+      end
       local count = redis.call('INCR', key)
       -- Sidekiq Pro's window: a job recovered --poison-after times in 72 hours is poison
       redis.call('EXPIRE', key, 259200)
@@ -80,7 +97,8 @@ for _, item in ipairs(items) do
         -- JSON readers (Ruby's, Python's, orjson) keep the last. failed_at stays the first
         -- failure's, as Sidekiq keeps it.
         local extra = ',"error_class":"forkq.PoisonJob","error_message":'
-          .. cjson.encode('killed its worker process ' .. count .. ' times')
+          .. cjson.encode('killed its worker process ' .. count .. ' times'
+                          .. (point and ' without its checkpoint moving' or ''))
         if decoded['failed_at'] == nil then
           extra = extra .. ',"failed_at":' .. ARGV[4]
         end
@@ -89,7 +107,7 @@ for _, item in ipairs(items) do
         if decoded['unique_for'] ~= nil or decoded['keep_result'] ~= nil or decoded['bid'] ~= nil then
           leavers[#leavers + 1] = entry
         end
-        redis.call('DEL', key)
+        redis.call('DEL', key, key .. ':cursor')
         poisoned = poisoned + 1
       else
         suspected[#suspected + 1] = {suspects .. name, job}
