@@ -685,7 +685,8 @@ def _forget(conn: redis.Redis, key: str, kind: str, entries: list[Entry]) -> int
 
 
 def _forget_args(kind: str, entries: list[Entry]) -> list[Any] | None:
-    """forget.lua's arguments for `entries`, or None when none has a lock or a batch."""
+    """forget.lua's arguments for `entries`, or None when none has a lock, a batch or a jid
+    (an iterable job's checkpoint, forkq:iter:JID, goes with it)."""
     quads, ends = _quadruplets(entries)
     return [kind, _deleted(), *quads] if ends else None
 
@@ -704,14 +705,18 @@ def _deleted() -> str:
 
 
 def _quadruplets(entries: list[Entry]) -> tuple[list[Any], bool]:
-    """(member, lock key or '', jid, batch key or '') of each entry, flat, and whether any
-    has a lock or a batch."""
+    """(member, lock key or '', jid or '', batch key or '') of each entry, flat, and whether
+    any has a lock, a batch or a jid. Every jid is passed, not only those of locks and
+    batches: any job may be an iterable one with a checkpoint (the payload does not say),
+    and forget.lua deletes the checkpoints of the entries it removed in one DEL."""
     out: list[Any] = []
     ends = False
     for entry in entries:
         lock, in_batch = _lock(entry), _batch_of(entry)
-        ends = ends or bool(lock) or in_batch is not None
-        jid = lock[1] if lock else in_batch[1] if in_batch else ""
+        jid = entry.jid
+        if type(jid) is not str or not payload.sendable(jid):
+            jid = ""  # (one redis-py cannot send would fail the whole call)
+        ends = ends or bool(lock) or in_batch is not None or jid != ""
         out += [entry.raw, lock[0] if lock else "", jid, in_batch[0] if in_batch else ""]
     return out, ends
 

@@ -6,3 +6,30 @@ local function needs_ending(m)
   return string.find(m, 'unique_for', 1, true) or string.find(m, '"bid"', 1, true)
       or string.find(m, '\\u', 1, true)
 end
+
+-- Which of `members` may be an iterable job with a checkpoint (forkq:iter:JID), to be kept
+-- for the caller too, which parses the jid and has forget.lua delete the checkpoint with
+-- the entry: a set of their indices. The jid is read off the text ("jid":"..., compact
+-- JSON, as forkq and Sidekiq write it; an entry written otherwise keeps its checkpoint
+-- until the TTL), and only one whose checkpoint exists is kept: a "jid" met first in the
+-- args can only cost a parse. One MGET per 500 members, no decoding here.
+local function checkpointed(members)
+  local names, at, out = {}, {}, {}
+  for i, m in ipairs(members) do
+    local _, b = string.find(m, '"jid":"', 1, true)
+    local e = b and string.find(m, '"', b + 1, true)
+    if e then
+      names[#names + 1] = 'forkq:iter:' .. string.sub(m, b + 1, e - 1)
+      at[#names] = i
+    end
+  end
+  for s = 1, #names, 500 do
+    local got = redis.call('MGET', unpack(names, s, math.min(s + 499, #names)))
+    for k = 1, #got do
+      if got[k] then
+        out[at[s + k - 1]] = true
+      end
+    end
+  end
+  return out
+end

@@ -1,6 +1,7 @@
 -- One step of emptying a sorted set (api.SortedSet.clear): look at its lowest-ranked
--- entries, remove here those that cannot hold a unique lock nor belong to a batch, and
--- return the others, which the caller ends with forget.lua (see _plain.lua for which).
+-- entries, remove here those that cannot hold a unique lock, belong to a batch nor have an
+-- iterable job's checkpoint, and return the others, which the caller ends with forget.lua
+-- (see _plain.lua for which).
 -- Removed and read in one call: an entry added meanwhile is either looked at here or left
 -- for the next step, never dropped unseen.
 -- KEYS[1] the set, ARGV[1] how many entries to look at
@@ -8,8 +9,9 @@
 --#include plain
 local members = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
 local plain, others = {}, {1, 1}
-for _, m in ipairs(members) do
-  if needs_ending(m) then
+local points = checkpointed(members)
+for i, m in ipairs(members) do
+  if points[i] or needs_ending(m) then
     others[#others + 1] = m
   else
     plain[#plain + 1] = m

@@ -6,6 +6,8 @@
 -- KEYS[1] the sorted set or the queue list
 -- ARGV[1] 'zset', 'list' or 'near', ARGV[2] the failure a batch records (JSON), for 'near'
 -- the arguments below, then (member, lock key or '', jid, batch key or '') quadruplets
+-- A removed entry's jid also names an iterable job's checkpoint (forkq:iter:JID), which
+-- goes with it, in one DEL a call (a key that does not exist costs a lookup).
 -- Returns how many entries were removed.
 -- Each batch is checked once, after all its entries: a clear's page of 1,000 entries of
 -- one batch checked it 1,000 times (about half the call's time).
@@ -150,6 +152,7 @@ end
 local gone = kind == 'near' and near_remove() or nil
 local removed = 0
 local failed, order = {}, {}
+local points = {}  -- the checkpoints of removed entries
 for i = first, #ARGV, 4 do
   local n
   if kind == 'zset' then
@@ -161,6 +164,9 @@ for i = first, #ARGV, 4 do
   end
   if n > 0 then
     removed = removed + n
+    if ARGV[i + 2] ~= '' then
+      points[#points + 1] = 'forkq:iter:' .. ARGV[i + 2]
+    end
     if ARGV[i + 1] ~= '' then
       unlock(ARGV, i + 1, i + 2)
     end
@@ -173,5 +179,8 @@ for i = first, #ARGV, 4 do
 end
 for _, b in ipairs(order) do
   batch_failed(b)
+end
+for i = 1, #points, 500 do
+  redis.call('DEL', unpack(points, i, math.min(i + 499, #points)))
 end
 return removed

@@ -1,0 +1,49 @@
+"""An iterable job deleted through forkq's own paths (forkq.api, so `forkq dead|retry|schedule
+delete`, `forkq queue NAME delete` and the dashboard) takes its checkpoint (forkq:iter:JID)
+with it, rather than leaving it for its 30-day TTL; an entry the call did not remove (a
+worker took it meanwhile) keeps its own. In-process, against the shared Redis."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from forkq import api, iterate, payload
+
+QUEUE = "itdel"
+
+
+def entry(jid: str, *args) -> bytes:
+    return payload.dumps({"class": "it.x", "queue": QUEUE, "args": list(args), "jid": jid,
+                          "created_at": time.time(), "error_class": "ValueError"}).encode()
+
+
+def point(r, jid: str) -> None:
+    r.set(iterate.PREFIX + jid, iterate._dump(7, "it.x"), ex=iterate.TTL_S)
+
+
+def points(r) -> set[str]:
+    return {k.decode()[len(iterate.PREFIX):] for k in r.keys(iterate.PREFIX + "*")}
+
+
+@pytest.mark.timeout(10)
+def test_deleting_set_entries_deletes_their_checkpoints_and_only_theirs(r):
+    # "live" runs elsewhere: only named in another job's args, before that job's own jid
+    for jid in ("it1", "it2", "it3", "live", "taken"):
+        point(r, jid)
+    dead = api.dead(r)
+    raws = [entry("it1"), entry("it2"), entry("plain"), entry("watcher", {"jid": "live"}), entry("it3")]
+    r.zadd("dead", {raw: i for i, raw in enumerate(raws)})
+
+    assert dead.delete([dead.find("it1")]) == 1
+    # one a worker (or another operator) took meanwhile: not removed here, its checkpoint stays
+    assert dead.delete([api.Entry.of(entry("taken"), 0.0)]) == 0
+    assert points(r) == {"it2", "it3", "live", "taken"}
+    # by a filter, as `forkq dead delete --class ...` and `--all` do
+    assert dead.apply(dead.delete, lambda e: e.jid == "it3") == 1
+    assert points(r) == {"it2", "live", "taken"}
+    # the dashboard's "Delete all": pages a script empties, checkpoints found by the text
+    assert dead.clear() == 3 and r.zcard("dead") == 0
+    assert points(r) == {"live", "taken"}
+
