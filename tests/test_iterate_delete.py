@@ -47,3 +47,17 @@ def test_deleting_set_entries_deletes_their_checkpoints_and_only_theirs(r):
     assert dead.clear() == 3 and r.zcard("dead") == 0
     assert points(r) == {"live", "taken"}
 
+
+@pytest.mark.timeout(10)
+def test_deleting_queued_jobs_deletes_their_checkpoints(r):
+    """An interrupted iterable job waits on its queue with its checkpoint: `forkq queue NAME
+    delete` (by jid, by class) and the dashboard's "Delete all" take it along."""
+    for jid in ("q1", "q2", "q3", "live"):
+        point(r, jid)
+    queue = api.Queue(r, QUEUE)
+    r.lpush(f"queue:{QUEUE}", entry("q1"), entry("plain"), entry("q2"), entry("w", {"jid": "live"}),
+            entry("q3"))
+    assert queue.delete([queue.find("q1")]) == 1
+    assert points(r) == {"q2", "q3", "live"}
+    assert queue.clear() == 4 and r.llen(f"queue:{QUEUE}") == 0
+    assert points(r) == {"live"}

@@ -1,5 +1,6 @@
 -- One step of emptying a queue (api.Queue.clear): take its next-to-run entries with the
--- RPOP workers use, drop those with nothing to end (_plain.lua), and put the others back
+-- RPOP workers use, drop those with nothing to end (_plain.lua: no unique lock, no batch,
+-- no iterable job's checkpoint), and put the others back
 -- where they were, at the right end in their order, returning them for the caller to end
 -- with forget.lua's 'window' (their lock keys are SHA-256s Lua cannot make). Between the
 -- two calls they are in the queue as before: a client that dies there leaves jobs a worker
@@ -32,8 +33,9 @@ if #taken == 0 then
 end
 -- RPOP gives the rightmost first: walked backwards, RPUSH puts them back in place
 local out = {#taken, 0, 0}
+local points = checkpointed(taken)
 for i = #taken, 1, -1 do
-  if needs_ending(taken[i]) then
+  if points[i] or needs_ending(taken[i]) then
     out[#out + 1] = taken[i]
   end
 end
