@@ -14,6 +14,10 @@ STOP_GRACE_S = 5.0
 # jobs, the final requeue, the last stats) wait in all for an unreachable Redis: what they
 # could not write stays in the process's private lists, for the master or orphan recovery.
 STOP_PATIENCE_S = 4.0
+# A command byte the master sends a child down its pipe, beside the signal numbers the
+# others are (0 is none): write the next heartbeat now. A heartbeat is how a worker learns
+# that crash suspects wait (launcher.Launcher.beat)
+BEAT_NOW = 0
 
 
 def usable_cpus(cgroup_root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup") -> int:

@@ -32,7 +32,7 @@ import redis
 from . import client, control, hooks, keys, logs, orphans, reload, scripts, strays, systemd, titles
 from .fetch import After, Requeued, refusal, requeue_owner_counts, settle_acks, writes_refused
 from .metrics import MetricsServer
-from .settings import STOP_GRACE_S, STOP_PATIENCE_S, Settings
+from .settings import BEAT_NOW, STOP_GRACE_S, STOP_PATIENCE_S, Settings
 
 log = logs.get("forkq.supervisor")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGHUP)
@@ -114,6 +114,7 @@ class Supervisor:
         self.stop_deadline = 0.0
         self.recycle: list[int] = []       # slots queued for a rolling restart (HUP)
         self.pending_requeue: list[tuple[str, bool]] = []
+        self.dead_slots: dict[str, int] = {}  # identity -> slot, of those in pending_requeue
         # identity -> acks (in-flight fields, with their after-success actions) of jobs a
         # stopping child finished but may not have acknowledged in Redis: applied before
         # its requeue, which would run them again (fetch.settle_acks)
@@ -416,6 +417,7 @@ class Supervisor:
             self.finished[child.identity] = child.finished
         # its private jobs go back before anything else happens to the slot
         self.pending_requeue.append((child.identity, crashed))
+        self.dead_slots[child.identity] = child.slot
         held = self.requeue_pending().get(child.identity, (0, 0))
         slot = self.slots[child.slot]
         if child.stopping_since is not None:
@@ -488,6 +490,9 @@ class Supervisor:
             self.pending_requeue.pop(0)
             done[identity] = (counts.requeued, counts.poisoned)
             self.stats.add(counts)
+            slot = self.dead_slots.pop(identity, None)
+            if counts.suspects and slot is not None:
+                self.beat_now(slot)
             if counts.requeued or counts.poisoned:
                 # suspects: how many of the requeued went to forkq:suspects:QUEUE (to run alone)
                 log.warning("requeued a child's in-flight jobs", identity=identity,
@@ -513,6 +518,17 @@ class Supervisor:
                           "their last heartbeat are not counted in stat:processed and stat:failed",
                           totals=self.uncounted)
         return done
+
+    def beat_now(self, slot: int) -> None:
+        """Have the child filling `slot` beat now: the suspects of the one that left it were
+        just put back. A replacement forked after this learns of them at its first beat and
+        runs them at once, but one already working would wait for its next, up to
+        --heartbeat-interval (its retired predecessor died as it drained, or Redis put the
+        requeue off). Only that child: another would stop claiming until its own threads
+        were idle, for suspects the slot's child may have run by then."""
+        for child in self.occupants():
+            if child.slot == slot:
+                self.tell(child, BEAT_NOW)
 
     def _put_off(self, exc: BaseException, what: str, final: bool) -> None:
         """After a requeue or count that failed (called in its except block): try again in

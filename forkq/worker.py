@@ -33,7 +33,7 @@ from .metrics import DeltaReporter
 from .processor import MeteredProcessor, Processor, guard_forks
 from .queues import QueueOrder
 from .scheduler import Scheduler
-from .settings import STOP_GRACE_S, Settings
+from .settings import BEAT_NOW, STOP_GRACE_S, Settings
 from .timelimit import WATCHDOG
 
 log = logs.get("forkq.worker")
@@ -247,6 +247,8 @@ class Worker:
             self.launcher.beat_soon()
         elif signum == signal.SIGTTIN:
             dump_threads()
+        elif signum == BEAT_NOW:
+            self.launcher.beat_soon()
 
     def _stop(self) -> int:
         deadline = time.monotonic() + self.settings.timeout
