@@ -231,11 +231,11 @@ ATEXIT_GRACE_S = 2.0
 
 
 def _exec_after(grace: float, argv: list[str], environ: dict[str, str], cwd: str,
-                stop_pending: Callable[[], bool] | None) -> threading.Event:
+                stopped: Callable[[], bool]) -> threading.Event:
     """Exec from a thread of its own `grace` s from now, unless the main thread's exec
     comes first (it ends this thread) or the returned event is set (that exec failed).
-    Started with the stop signals blocked, as the main thread has them, so the new
-    process gets them blocked and pending either way."""
+    Start it with the stop signals blocked: the thread keeps them so, and the new process
+    gets them blocked and pending, as from the main thread's exec."""
     called_off = threading.Event()
 
     def cut_short() -> None:
@@ -244,9 +244,9 @@ def _exec_after(grace: float, argv: list[str], environ: dict[str, str], cwd: str
         log.warning("the app's atexit handlers are still running; restarting without them",
                     waited_s=grace)
         logs.flush_all()
-        if stop_pending is not None and stop_pending():
-            # a stop an app's thread took meanwhile (see reexec) is made pending in this
-            # one, blocked: it stays so across the exec, and the new run ends at its start
+        if stopped():
+            # a stop seen meanwhile (see reexec) is made pending in this thread, which
+            # blocks it: it stays so across the exec, and the new run ends at its start
             signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
         os.chdir(cwd)
         os.execve(sys.executable, argv, environ)
@@ -257,41 +257,64 @@ def _exec_after(grace: float, argv: list[str], environ: dict[str, str], cwd: str
 
 def reexec(stop_pending: Callable[[], bool] | None = None) -> None:
     """Replace this process with a new run of the same command: same pid, argv, and the
-    environment and working directory forkq started with. Does not return, but when
-    `stop_pending()` says a stop signal came in meanwhile (flushing a log to a slow pipe
-    can take a while): then there is nothing to restart.
+    environment and working directory forkq started with. Does not return but when a stop
+    signal came in meanwhile (`stop_pending()` says so, or one arrived while the app's
+    atexit handlers ran): then there is nothing to restart, and once the handlers that
+    were in place are back, such a signal is raised again for them to act on (a master's
+    trap writes it to its self-pipe; the wait for a fixed edit ends, as a stop there does).
 
-    A stop signal would be lost between that last look and the new process's handlers
+    A stop signal would be lost between the last look and the new process's handlers
     (or, before them, end it by default: Ctrl-C printed a KeyboardInterrupt traceback),
-    so both are blocked from the look on: the exec keeps them blocked and pending, and
-    cli.start unblocks them once its handlers are in place."""
+    so both are blocked around the looks and the exec: the exec keeps them blocked and
+    pending, and cli.start unblocks them once its handlers are in place."""
     environ, cwd = _started if _started else (dict(os.environ), os.getcwd())
     logs.flush_all()
     # orig_argv: the interpreter's own command line (`python -m forkq ...`, the `forkq`
     # script, `python -c ...`), with any -X or -W options
     argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+    seen: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        seen.append(signum)
+
+    def stopped() -> bool:  # the master's look first: it logs why it exits
+        return (stop_pending is not None and stop_pending()) or bool(seen)
+
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    # While the handlers run, a stop is only noted. The handler in place may raise (the
+    # wait for a fixed edit's does): raised inside an atexit handler, the exception was
+    # printed and dropped with the rest of that handler, and the stop lost
+    before = {sig: signal.signal(sig, hold) for sig in STOP_SIGNALS}
     cut_short = None
     try:
-        if stop_pending is not None and stop_pending():
+        if stopped():
             return
         # an exec skips what an exit runs: an app's atexit handlers (stopping a process or
         # a thread pool it started at import, flushing a client) would never run, and what
         # they clean up would be orphaned by the new run, once per reload. They get what an
-        # exit gives them: one that hangs would hold the restart, and with the stop signals
-        # blocked, Ctrl-C, for as long as it hung. They run where the app left the process,
-        # as at an exit (a relative socket or lock file it removes is its own), and the
-        # exec goes back to where forkq began
-        cut_short = _exec_after(ATEXIT_GRACE_S, argv, environ, cwd, stop_pending)
-        atexit._run_exitfuncs()
-        # the stop signals are blocked in this thread only: one sent while the handlers
-        # ran went to a thread of the app's if it has one, and the master's trap wrote it
-        # to its self-pipe. Unread, it was lost, and the master started again
-        if stop_pending is not None and stop_pending():
+        # exit gives them: one that hangs would hold the restart for as long as it hung.
+        # They run where the app left the process, as at an exit (a relative socket or lock
+        # file it removes is its own), and the exec goes back to where forkq began
+        cut_short = _exec_after(ATEXIT_GRACE_S, argv, environ, cwd, stopped)
+        # and with the stop signals unblocked, as at an exit: a process a handler starts
+        # inherits the mask, and one started with them blocked ignored TERM and Ctrl-C
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        # a stop sent while the handlers ran: `hold` saw it, or, taken by a thread of the
+        # app's, the master's trap wrote it to its self-pipe, read by stop_pending
+        if stopped():
             return
         os.chdir(cwd)
         os.execve(sys.executable, argv, environ)
-    finally:  # not exec'd: a signal held meanwhile is handled here
+    finally:  # not exec'd: a signal held meanwhile is handled here, by the handler it found
         if cut_short is not None:
             cut_short.set()
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a pending one: to `hold`
+        for sig, handler in before.items():
+            if handler is not None:  # None: not set from Python, and cannot be put back
+                signal.signal(sig, handler)
+        if seen:
+            signal.raise_signal(seen[0])

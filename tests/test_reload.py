@@ -287,6 +287,59 @@ reload.reexec(stop_pending)
     assert out.stdout.splitlines()[-1:] == [f"again {[int(signal.SIGTERM)]}"], out
 
 
+@pytest.mark.timeout(20)
+def test_a_stop_during_the_atexit_handlers_ends_the_wait_for_a_fix_instead_of_restarting(tmp_path):
+    """Waiting for a fixed edit (cli._wait_for_fix), a stop raises StoppedWhileStarting in
+    the main thread. One an app's thread took while reexec ran the atexit handlers was
+    raised inside a handler, where atexit prints an exception and drops it: the stop was
+    lost and forkq started again. Now it is noted, the handlers run on, and it is raised
+    again for the wait's own handler once they are done: forkq exits."""
+    script = tmp_path / "again.py"
+    script.write_text(f"""
+import atexit, os, signal, sys, threading, time
+sys.path.insert(0, {str(REPO_ROOT)!r})
+from forkq import cli, reload
+if os.environ.get("ROUND") == "2":
+    print("again", flush=True)
+    sys.exit(0)
+os.environ["ROUND"] = "2"
+for sig in reload.STOP_SIGNALS:
+    signal.signal(sig, cli._stop_while_starting)  # as the wait for a fix has them
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # the app's thread
+atexit.register(lambda: print("last handler ran", flush=True))
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.2)))  # ctl stop
+try:
+    reload.reexec()
+except cli.StoppedWhileStarting as exc:
+    print("stopped instead", exc, flush=True)
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=15)
+    assert out.stdout.splitlines() == ["last handler ran", "stopped instead SIGTERM"], out
+    assert "Exception ignored" not in out.stderr, out
+
+
+@pytest.mark.timeout(20)
+def test_a_process_an_atexit_handler_starts_does_not_inherit_the_stop_signals_blocked(tmp_path):
+    """reexec blocks TERM and INT around its last look and the exec, but runs the atexit
+    handlers with them unblocked: a process a handler started inherited them blocked, and
+    ignored `kill` and Ctrl-C for as long as it ran."""
+    script = tmp_path / "again.py"
+    script.write_text(f"""
+import atexit, os, subprocess, sys
+sys.path.insert(0, {str(REPO_ROOT)!r})
+from forkq import reload
+if os.environ.get("ROUND") == "2":
+    print("again", flush=True)
+    sys.exit(0)
+os.environ["ROUND"] = "2"
+SHOW = "import signal; print('blocked', sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))"
+atexit.register(lambda: subprocess.run([sys.executable, "-c", SHOW]))
+reload.reexec()
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=15)
+    assert out.stdout.splitlines() == ["blocked []", "again"], out
+
+
 @pytest.mark.timeout(60)
 def test_a_master_reloads_on_an_edit_keeps_its_pid_and_survives_a_syntax_error(redis_url, r, tmp_path):
     jobs = tmp_path / "jobs.py"
