@@ -48,6 +48,9 @@ OTHER = "(other)"                # where classes beyond the caps are counted
 CHILD_KEYS = 500                 # (class, queue) pairs one processor thread keeps apart
 MASTER_KEYS = 2000               # and the master: payloads name classes, and a flood of
                                  # made-up names must not grow memory or the scrape forever
+# forkq_child_restarts_total's reasons, each exported from 0: a series that appeared only
+# with its first restart hid that restart from increase() and rate()
+RESTART_REASONS = ("crash", "memory", "jobs", "hang", "restart", "time_limit", "cancel")
 REDIS_TIMEOUT_S = 1.0
 # after Redis failed a scrape, skip it this long: from the first, doubling to the second
 REDIS_BACKOFF_FIRST_S, REDIS_BACKOFF_S = 2.0, 10.0
@@ -279,9 +282,11 @@ class Collector:
 
         sup = self.sup
         yield from self._children()
-        restarts = CounterMetricFamily("forkq_child_restarts", "Children replaced, by why they ended",
+        restarts = CounterMetricFamily("forkq_child_restarts", "Children replaced, by why, counted "
+                                       "as the replacement takes the slot: at a crash or hang, at "
+                                       "a recycle's start, not at the old child's exit",
                                        labels=["reason"])
-        for reason, n in sorted({"crash": 0, "memory": 0, "hang": 0, **sup.stats.restarts}.items()):
+        for reason, n in sorted({**dict.fromkeys(RESTART_REASONS, 0), **sup.stats.restarts}.items()):
             restarts.add_metric([reason], n)
         yield restarts
         yield CounterMetricFamily("forkq_jobs_requeued", "Jobs this master put back into Redis "

@@ -71,7 +71,7 @@ class Child:
     # told to stop (recycle) at this monotonic time: retired, it drains its running jobs
     # beside its replacement and no longer fills its slot (Supervisor.occupants)
     stopping_since: float | None = None
-    reason: str = ""                       # why the master ended it: memory, jobs, hang, restart, time_limit, cancel
+    reason: str = ""                       # why the master ended it: memory, jobs, hang, restart, time_limit, cancel (metrics.RESTART_REASONS)
     # a job of it was interrupted: replace it, with this reason (time_limit, cancel)
     stuck: str | None = None
     fatal: str = ""                        # the error it reported just before dying
@@ -403,12 +403,10 @@ class Supervisor:
             # a reason only when the master retired it (memory, restart): a plain stop has none
             extra = {"reason": child.reason} if child.reason else {}
             log.info("child exited", slot=child.slot, child_pid=child.pid, how=how, **extra)
-        if self.state != "stopping" or child.stopping_since is not None:
-            # not stopping and no reason of ours: every such exit is a crash (see above). A
-            # retired child counts even when a stop began while it drained: its replacement
-            # was forked as it was retired, so it was replaced all the same
-            reason = child.reason or "crash"
-            self.stats.restarts[reason] = self.stats.restarts.get(reason, 0) + 1
+        if self.state != "stopping" and child.stopping_since is None:
+            # not stopping and no reason of ours but hang: every such exit is a crash (see
+            # above). A retired child was counted as it was retired (retire)
+            self.count_restart(child.reason or "crash")
         if child.totals is not None:
             # what it ran since its last flush, counted with the requeue: a crash left it
             # unflushed; after a clean exit whose last flush went through, nothing is added
@@ -811,6 +809,16 @@ class Supervisor:
         child.reason = reason
         child.stopping_since = time.monotonic()
         self.tell(child, signal.SIGTERM)
+        self.count_restart(reason)
+
+    def count_restart(self, reason: str) -> None:
+        """A child replaced (forkq_child_restarts_total, "master stopped"): counted as its
+        replacement takes the slot, so when the event happened, as a graph of restarts
+        wants it. That is at its death for a crash or a hang, and for a recycle (memory,
+        jobs, HUP's restart, time_limit, cancel) as it is retired, not when it exits up to
+        --timeout later: a HUP's restarts show at the HUP's rolling restart, each counted
+        once, whether a stop begins while the child drains or it dies meanwhile."""
+        self.stats.restarts[reason] = self.stats.restarts.get(reason, 0) + 1
 
     def roll_restart(self) -> None:
         if not self.recycle or self.state != "running":

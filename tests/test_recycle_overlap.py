@@ -227,13 +227,13 @@ def test_a_replacement_that_fails_to_start_backs_off_while_the_old_child_drains(
             assert sup.vacant_slots(time.monotonic()) == [] and sup.vacant_slots(slot.next_spawn) == [0]
         assert slot.failures == 3 and backoffs == sorted(backoffs) and backoffs[0] > 0
         assert sup.state == "running" and sup.healthy(time.monotonic()), "judged before the old child left"
-        assert sup.stats.restarts == {"crash": 3}
+        assert sup.stats.restarts == {"jobs": 1, "crash": 3}
 
         del sup.children[old.pid]
         sup.child_exited(old, 0)
         assert (slot.failures, sup.vacant_slots(time.monotonic())) == (0, [0])
         assert slot.last_exit == "exit 1: on_fork hook bind raised OSError: port in use"
-        assert sup.stats.restarts == {"crash": 3, "jobs": 1}
+        assert sup.stats.restarts == {"jobs": 1, "crash": 3}, "counted as retired, not again"
 
         for _ in range(3):  # with no child draining, a crash loop is one again
             failed_start(b"on_fork hook bind raised OSError: port in use")
@@ -243,19 +243,33 @@ def test_a_replacement_that_fails_to_start_backs_off_while_the_old_child_drains(
 
 
 @pytest.mark.timeout(10)
-def test_a_recycle_is_counted_when_a_stop_begins_while_the_old_child_drains(redis_url):
-    """The replacement was forked as the old child was retired: that child counts as
-    replaced (forkq_child_restarts_total, "master stopped") even if it exits after a stop
-    began. Before, only a stop before its exit counted it: a stop mid-drain lost it. The
-    replacement, ended by the stop, counts nothing, as any child a stop ends."""
-    sup = Supervisor(Settings(processes=1, max_jobs=10, redis_url=redis_url))
+def test_a_recycle_is_counted_as_the_child_is_retired_not_at_its_exit(redis_url):
+    """forkq_child_restarts_total counts a child replaced when its replacement takes the
+    slot: a recycle (here HUP's `restart`) at the retirement, not when the old child exits
+    up to --timeout later, and once, even if a stop begins while it drains. Before, it
+    counted at the exit: a graph of restarts showed a HUP's long after it. The replacement,
+    ended by the stop, counts nothing, as any child a stop ends. Every reason is exported
+    from 0, or increase() missed a reason's first restart."""
+    from forkq.metrics import Aggregates, Collector, QueueReader
+    sup = Supervisor(Settings(processes=1, redis_url=redis_url))
     made = _pinging_children(sup, range(2))
     (old, old_w, _), (new, new_w, _) = made
     del sup.children[new.pid]  # forked below, into the slot the old child leaves
+
+    def restarts() -> dict[str, float]:
+        families = {f.name: f for f in Collector(sup, Aggregates(), QueueReader(None)).collect()
+                    if f.name == "forkq_child_restarts"}
+        return {s.labels["reason"]: s.value for s in families["forkq_child_restarts"].samples
+                if s.name.endswith("_total")}
+
     try:
+        assert restarts() == dict.fromkeys(
+            ["cancel", "crash", "hang", "jobs", "memory", "restart", "time_limit"], 0)
         _ping(sup, old, old_w, b"B1 12 0\n")
-        _recycle_now(sup)
-        assert old.reason == "jobs"
+        sup.handle_hup()
+        sup.roll_restart()
+        assert old.reason == "restart" and old.stopping_since is not None
+        assert sup.stats.restarts == {"restart": 1} and restarts()["restart"] == 1
         new.slot = 0
         sup.children[new.pid] = new
         _ping(sup, new, new_w, b"B0 0 0\n")
@@ -263,10 +277,9 @@ def test_a_recycle_is_counted_when_a_stop_begins_while_the_old_child_drains(redi
 
         del sup.children[new.pid]
         sup.child_exited(new, 0)
-        assert sup.stats.restarts == {}, "a stop ends the replacement: no restart"
         del sup.children[old.pid]
         sup.child_exited(old, 0)
-        assert sup.stats.restarts == {"jobs": 1}
+        assert sup.stats.restarts == {"restart": 1}, "the replacement a stop ended counts none"
     finally:
         _close(sup, made)
 
