@@ -311,27 +311,37 @@ class Collector:
                                  labels=["slot"])
         threads = GaugeMetricFamily("forkq_threads", "Processor threads per child slot (--concurrency)",
                                     labels=["slot"])
-        rss = GaugeMetricFamily("forkq_child_rss_bytes", "Resident memory of each child, shared pages included",
+        rss = GaugeMetricFamily("forkq_child_rss_bytes", "Resident memory of each child slot, shared "
+                                "pages included: during a recycle, its two children's summed",
                                 labels=["slot"])
+        # what --max-memory is compared with, one child's: the sum above, during a recycle,
+        # tripped an alert set at the limit though no child was near it
+        rss_max = GaugeMetricFamily("forkq_child_rss_max_bytes", "Resident memory of the largest "
+                                    "child in each slot (what --max-memory, in MiB, is compared with)",
+                                    labels=["slot"])
         # summed per slot: while a recycled child drains, its replacement already works in
         # the same slot, and one series per label set is all Prometheus takes
         per_slot: dict[int, list[int]] = {}
         for c in children:
-            row = per_slot.setdefault(c.slot, [0, 0, 0])
+            row = per_slot.setdefault(c.slot, [0, 0, 0, 0])
             row[0] += c.busy
             row[1] += self.sup.settings.concurrency
             try:
-                row[2] += psutil.Process(c.pid).memory_info().rss
+                one = psutil.Process(c.pid).memory_info().rss
             except psutil.Error:
-                pass  # it just died; the reaper will tell
-        for slot, (b, t, r) in per_slot.items():
+                continue  # it just died; the reaper will tell
+            row[2] += one
+            row[3] = max(row[3], one)
+        for slot, (b, t, r, most) in per_slot.items():
             busy.add_metric([str(slot)], b)
             threads.add_metric([str(slot)], t)
             if r:
                 rss.add_metric([str(slot)], r)
+                rss_max.add_metric([str(slot)], most)
         yield busy
         yield threads
         yield rss
+        yield rss_max
 
     def _queues(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily

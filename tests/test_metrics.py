@@ -128,6 +128,9 @@ def test_jobs_processed_and_failed_are_summed_by_class_and_queue_across_children
     assert value(s, "forkq_children") == 2
     assert {value(s, "forkq_threads", slot=str(i)) for i in (0, 1)} == {2}
     assert all(value(s, "forkq_child_rss_bytes", slot=str(i)) > 1_000_000 for i in (0, 1))
+    # one child a slot: its largest is all of it
+    assert all(value(s, "forkq_child_rss_max_bytes", slot=str(i)) == value(s, "forkq_child_rss_bytes", slot=str(i))
+               for i in (0, 1))
     assert value(s, "forkq_metrics_rejected_total") == 0
     # the master's own process metrics come from the client library
     assert value(s, "process_resident_memory_bytes") > 0
@@ -467,3 +470,33 @@ def test_kubernetes_scrape_annotation_names_the_port_forkq_serves_on(capsys):
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["metrics"] == settings.metrics_port
     assert settings.metrics_bind in ("0.0.0.0", "::"), "a scraper outside the pod must reach it"
+
+
+@pytest.mark.timeout(10)
+def test_the_largest_child_of_a_slot_is_exported_beside_the_slots_sum():
+    """While a recycled child drains beside its replacement, forkq_child_rss_bytes adds up
+    both (one series a slot), and an alert comparing it with --max-memory fired though
+    neither child was near the limit. forkq_child_rss_max_bytes is the largest one child's:
+    here the test process, with a `sleep` as the slot's other child."""
+    from forkq.settings import Settings
+    from forkq.supervisor import Supervisor
+    from test_supervisor import _close_master, _pinging_children
+    sup = Supervisor(Settings(processes=1))
+    made = _pinging_children(sup, range(2))
+    small = subprocess.Popen(["sleep", "30"])
+    try:
+        sup.children.clear()
+        for (child, _w, _r), pid in zip(made, (os.getpid(), small.pid)):
+            child.slot, child.pid = 0, pid
+            sup.children[pid] = child
+        families = {f.name: f for f in metrics.Collector(sup, metrics.Aggregates(),
+                                                         metrics.QueueReader(None))._children()}
+        (summed,) = families["forkq_child_rss_bytes"].samples
+        (largest,) = families["forkq_child_rss_max_bytes"].samples
+        assert summed.labels == largest.labels == {"slot": "0"}
+        sleep_rss = psutil.Process(small.pid).memory_info().rss
+        assert largest.value > sleep_rss > 0 and summed.value - largest.value == sleep_rss
+    finally:
+        small.kill()
+        small.wait()
+        _close_master(sup, made)
