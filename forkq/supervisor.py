@@ -71,7 +71,7 @@ class Child:
     # told to stop (recycle) at this monotonic time: retired, it drains its running jobs
     # beside its replacement and no longer fills its slot (Supervisor.occupants)
     stopping_since: float | None = None
-    reason: str = ""                       # why the master ended it: memory, jobs, hang, restart, time_limit, cancel (metrics.RESTART_REASONS)
+    reason: str = ""                       # why the master ended it: memory, jobs, hang, restart, time_limit, cancel
     # a job of it was interrupted: replace it, with this reason (time_limit, cancel)
     stuck: str | None = None
     fatal: str = ""                        # the error it reported just before dying
@@ -404,8 +404,8 @@ class Supervisor:
             extra = {"reason": child.reason} if child.reason else {}
             log.info("child exited", slot=child.slot, child_pid=child.pid, how=how, **extra)
         if self.state != "stopping" and child.stopping_since is None:
-            # not stopping and no reason of ours but hang: every such exit is a crash (see
-            # above). A retired child was counted as it was retired (retire)
+            # a crash (see above) or a child killed as hung; a retired child was counted
+            # as it was retired (count_restart), and a stop replaces nobody
             self.count_restart(child.reason or "crash")
         if child.totals is not None:
             # what it ran since its last flush, counted with the requeue: a crash left it

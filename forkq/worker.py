@@ -2,9 +2,10 @@
 
 The main thread only waits for commands and acts on them. Commands are signal numbers,
 one byte each, arriving on one of: the self-pipe that this process's own signal handlers
-write to (`forkq start --no-fork`), the pipe from the master (a forked child), or the
-heartbeat relaying a `-signals` entry from Redis. In a child, EOF on the master's pipe
-means the master is gone: the child stops gracefully on its own.
+write to (`forkq start --no-fork`), the pipe from the master (a forked child, which also
+sends settings.BEAT_NOW: heartbeat now), or the heartbeat relaying a `-signals` entry
+from Redis. In a child, EOF on the master's pipe means the master is gone: the child
+stops gracefully on its own.
 
 Without a master, the worker also runs the master's backstops (Sweeps): in a fleet of
 --no-fork workers, one process per pod, nothing else puts back a dead pod's jobs.
