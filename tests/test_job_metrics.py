@@ -368,3 +368,26 @@ def test_a_read_in_chunks_of_minutes_is_the_read_in_one(r, monkeypatch):
     monkeypatch.setattr(jobmetrics, "READ_CHUNK", 30)
     assert one == api.job_metrics(r, minutes=7, klass="B", now=at)
     assert one["classes"][0]["series"]["ms"] == [7, 0, 0, 0, 0, 2, 0]
+
+
+def test_a_bad_minutes_is_a_400_with_its_reason_not_another_period(r, redis_url, capsys):
+    # "abc" (and " 60", "6_0") showed 60 minutes as if asked for; each is one line naming
+    # the periods, as the dashboard's other bad parameters are
+    from forkq.web.app import Dashboard
+    dash = Dashboard(redis_url)
+    for bad in ("abc", "", "-5", "-60", "0", "7", "6_0", "%2060", "060", "99999999999999999999"):
+        status, body = _get(dash, "/metrics-by-class", f"minutes={bad}")
+        assert status.startswith("400"), (bad, status)
+        assert body.startswith("bad request: minutes must be one of 60, 120, 240, 480, not ")
+        assert body.count("\n") == 1, body
+    assert _get(dash, "/metrics-by-class", "minutes=240")[0].startswith("200")
+    assert _get(dash, "/metrics-by-class")[0].startswith("200")  # none given: 60
+    forkq.configure(redis_url)
+    for bad, why in (("abc", "a whole number, not 'abc'"), ("-5", "between 1 and 480, not -5"),
+                     ("99999999999999999999", "between 1 and 480")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["metrics", "--minutes", bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--minutes must be {why}" in err and err.count("\n") == 1, err

@@ -400,14 +400,18 @@ def batches_page(dash: "Dashboard", req: Request) -> Response:
 
 # the periods /metrics-by-class offers, in minutes: Sidekiq 7's (its keys live 8 hours)
 METRICS_PERIODS = (60, 120, 240, 480)
+_PERIOD_TEXTS = tuple(map(str, METRICS_PERIODS))
 
 
 def metrics_page(dash: "Dashboard", req: Request) -> Response:
     """Per-class job metrics (api.job_metrics) over ?minutes= (one of METRICS_PERIODS):
     every class, most time first; with ?class=, that class's minutes and histogram."""
-    minutes = req.int_arg("minutes", METRICS_PERIODS[0])
-    if minutes not in METRICS_PERIODS:
-        raise BadRequest(f"minutes must be one of {', '.join(map(str, METRICS_PERIODS))}")
+    # the text itself, not int_arg: that reads "abc" as the default and "-5" as 1, and int()
+    # takes " 60" and "6_0"; a link with a typo must say so, not show another period
+    text = req.arg("minutes", str(METRICS_PERIODS[0]))
+    if text not in _PERIOD_TEXTS:
+        raise BadRequest(f"minutes must be one of {', '.join(_PERIOD_TEXTS)}, not {text[:40]!r}")
+    minutes = int(text)
     klass = req.arg("class") or None
     data = api.job_metrics(dash.redis(), minutes, klass)
     minutes_shown = []
