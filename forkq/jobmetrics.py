@@ -29,6 +29,7 @@ these. Sidekiq 6.4 ignores them.
 from __future__ import annotations
 
 import math
+import re
 import threading
 from bisect import bisect_right
 from collections.abc import Iterable
@@ -112,12 +113,27 @@ def observe_both(jobs: Any, table: Any) -> Any:
 
 def _name(klass: Any) -> str:
     """The name a class is written under: any str, cut to NAME_MAX and sendable (JSON's
-    "\\udc80" parses to a lone surrogate that UTF-8, hence redis-py, cannot carry)."""
+    "\\udc80" parses to a lone surrogate that UTF-8, hence redis-py, cannot carry), with
+    "|" written %7C and "%" %25. Sidekiq 7's Web UI splits a field at every "|" and takes
+    the first two parts (metrics/query.rb, top_jobs): class "A|p"'s field "A|p|p" would
+    count as class A's runs. "%" is escaped too, so that each written name reads back as
+    one class (_shown): "a|b" and a class named "a%7Cb" are written apart."""
     name = klass if type(klass) is str else repr(klass)
     name = name[:NAME_MAX]
+    if "|" in name or "%" in name:
+        name = name.replace("%", "%25").replace("|", "%7C")
     if not name.isascii():
         name = name.encode("utf-8", "backslashreplace").decode("utf-8")
     return name
+
+
+_ESCAPED = re.compile("%(25|7C)")
+
+
+def _shown(name: str) -> str:
+    """A class as written, shown as its jobs name it: _name's escapes undone, in one pass
+    ("%257C" is the class "%7C"). Sidekiq's fields hold no "%": shown as they are."""
+    return _ESCAPED.sub(lambda m: "%" if m[1] == "25" else "|", name) if "%" in name else name
 
 
 def minute_key(at: datetime) -> str:
@@ -277,7 +293,10 @@ def read(conn: Any, minutes: int = 60, klass: str | None = None,
     """Per-class totals and per-minute series over the last `minutes` UTC minutes (this
     one included), slowest class (most milliseconds) first. The minute hashes pipelined
     READ_CHUNK at a time, then the histograms of the `histograms` slowest classes (or of
-    `klass`) pipelined: 2 round trips for an hour, 17 for 8 hours."""
+    `klass`) pipelined: 2 round trips for an hour, 17 for 8 hours. Classes are named as
+    their jobs name them (_name's "|" and "%" escapes undone); a field with a "|" in its
+    class part (Sidekiq's, or forkq's before it escaped them) is that class's, the metric
+    being the part after the last "|"."""
     if type(minutes) is not int or not 1 <= minutes <= MINUTES_MAX:
         raise ValueError(f"minutes must be a whole number from 1 to {MINUTES_MAX}, not {minutes!r}")
     if klass is not None:
@@ -321,14 +340,16 @@ def read(conn: Any, minutes: int = 60, klass: str | None = None,
                 if parsed is not None:
                     entry(parsed[0])[parsed[1]][i] += _int(value)
     rows = []
+    written: dict[int, str] = {}  # id(row) -> its class as written, for its histogram keys
     for name, s in series.items():
         p, f, ms = sum(s["p"]), sum(s["f"]), sum(s["ms"])
         ok = p - f
-        rows.append({"class": name, "processed": p, "failed": f,
+        rows.append({"class": _shown(name), "processed": p, "failed": f,
                      "failure_pct": round(100 * f / p, 1) if p else 0.0,
                      "total_ms": ms, "avg_ms": round(ms / ok, 1) if ok > 0 else None,
                      "p50_ms": None, "p95_ms": None, "histogram": None,
                      "series": {"processed": s["p"], "failed": s["f"], "ms": s["ms"]}})
+        written[id(rows[-1])] = name
     rows.sort(key=lambda r: (-r["total_ms"], -r["processed"], r["class"]))
     wanted = [r for r in rows[:histograms] if r["processed"] > r["failed"]]
     if wanted:
@@ -338,7 +359,7 @@ def read(conn: Any, minutes: int = 60, klass: str | None = None,
             for i, t in enumerate(times):
                 if r["series"]["processed"][i] > r["series"]["failed"][i]:
                     get = [a for b in range(NB) for a in ("GET", "u16", f"#{b}")]
-                    pipe.execute_command("BITFIELD_RO", histogram_key(r["class"], t), *get)
+                    pipe.execute_command("BITFIELD_RO", histogram_key(written[id(r)], t), *get)
                     asked.append(r)
         for r, reply in zip(asked, pipe.execute(raise_on_error=False)):
             if isinstance(reply, Exception):

@@ -370,6 +370,55 @@ def test_a_read_in_chunks_of_minutes_is_the_read_in_one(r, monkeypatch):
     assert one["classes"][0]["series"]["ms"] == [7, 0, 0, 0, 0, 2, 0]
 
 
+def _sidekiq_7_top_jobs(hash_: dict[bytes, bytes]) -> dict[str, dict[str, int]]:
+    """Sidekiq 7's Web UI reading a minute hash (metrics/query.rb, top_jobs, v7.3.9):
+    `kls, metric = k.split("|")`, the first two parts of a split at every "|"."""
+    out: dict[str, dict[str, int]] = {}
+    for k, v in hash_.items():
+        kls, metric = (k.decode().split("|") + [""])[:2]
+        out.setdefault(kls, {}).setdefault(metric, 0)
+        out[kls][metric] += int(v)
+    return out
+
+
+def test_a_class_name_with_a_bar_cannot_count_as_another_class(r, redis_url, capsys):
+    # "Mailer|p" wrote the field "Mailer|p|p", which Sidekiq 7's UI counts as Mailer's
+    # runs; "%" is escaped too, so that "a|b" and a class really named "a%7Cb" stay apart
+    table = ClassTable()
+    for klass, failed in (("Mailer", False), ("Mailer", True), ("Mailer|p", True),
+                          ("Mailer|p", False), ("a|b", False), ("a%7Cb", False)):
+        table.observe(klass, "q", 0.001, failed)
+    at = datetime.now(timezone.utc)
+    _flush(Flusher([table]), r, at)
+    fields = r.hgetall(minute_key(at))
+    assert all(f.count(b"|") == 1 for f in fields), fields
+    seen = _sidekiq_7_top_jobs(fields)
+    assert seen["Mailer"] == {"p": 2, "f": 1, "ms": 1}
+    assert seen["Mailer%7Cp"] == {"p": 2, "f": 1, "ms": 1}
+    # forkq shows and takes the names the jobs carry
+    got = _classes(r, minutes=2)
+    assert {k: (c["processed"], c["failed"]) for k, c in got.items()} == {
+        "Mailer": (2, 1), "Mailer|p": (2, 1), "a|b": (1, 0), "a%7Cb": (1, 0)}
+    assert got["Mailer|p"]["histogram"][0] == 1  # its histogram key is written escaped too
+    assert _classes(r, minutes=2, klass="Mailer|p").keys() == {"Mailer|p"}
+    forkq.configure(redis_url)
+    capsys.readouterr()
+    assert cli.main(["metrics", "--minutes", "2", "--class", "a%7Cb", "--json"]) == 0
+    assert [(c["class"], c["processed"]) for c in json.loads(capsys.readouterr().out)["classes"]] \
+        == [("a%7Cb", 1)]
+    from forkq.web.app import Dashboard
+    dash = Dashboard(redis_url)
+    link = "minutes=60&amp;class=Mailer%7Cp"  # the link of the class's row, and where it goes
+    assert link in _get(dash, "/metrics-by-class")[1]
+    status, page = _get(dash, "/metrics-by-class", link.replace("&amp;", "&"))
+    assert status.startswith("200") and "By minute (UTC)" in page
+    # a field another writer left with a bar in its class (forkq before this, within its 8
+    # hours) is read as the class before its last bar, never as the first part's
+    r.hset(minute_key(at), "Mailer|x|p", 5)
+    assert _classes(r, minutes=2)["Mailer|x"]["processed"] == 5
+    assert _classes(r, minutes=2)["Mailer"]["processed"] == 2
+
+
 def test_a_bad_minutes_is_a_400_with_its_reason_not_another_period(r, redis_url, capsys):
     # "abc" (and " 60", "6_0") showed 60 minutes as if asked for; each is one line naming
     # the periods, as the dashboard's other bad parameters are
