@@ -49,6 +49,10 @@ _BOUNDS_S = tuple(ms / 1000 for ms in BUCKET_MS)
 TTL_S = 8 * 3600                 # Sidekiq 7's SHORT_TERM and HISTOGRAM_TTL
 U16_MAX = 65535                  # a histogram counter saturates here (OVERFLOW SAT)
 OTHER = "(other)"                # where one thread counts classes beyond CLASSES_MAX
+# where jobs of a class this worker cannot resolve are counted (they fail as UnknownJob):
+# anyone who can push names them, so under their own names junk would take a thread's
+# CLASSES_MAX rows and stop its real classes being kept apart
+UNKNOWN = "(unknown)"
 CLASSES_MAX = 500                # classes one thread keeps apart: payloads name classes
 NAME_MAX = 200                   # characters of a class name written to Redis
 MINUTES_MAX = 8 * 60             # what a read may ask for: the keys live 8 hours

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import batch, chains, hooks, iterate, keys, logs, payload, results, scripts, unique
-from .jobmetrics import ClassTable, observe_both
+from .jobmetrics import UNKNOWN, ClassTable, observe_both
 from .errors import JobCancelled, MalformedPayload, OverLimit, TimeLimitExceeded, UnknownJob
 from .fetch import Unit
 from .iterate import Interrupted
@@ -246,7 +246,9 @@ class Processor:
         # counted once it ended, failed or not, as Sidekiq counts: a job cut off by a hard
         # stop raised past here and counts when it runs again
         self.processed += 1
-        wrapped = job.get("wrapped")  # ActiveJob's real class, as payload.display_name
+        # ActiveJob's real class, as payload.display_name; a class this worker cannot resolve
+        # goes under one name
+        wrapped = job.get("wrapped") if jobdef is not None else UNKNOWN
         self._observe(wrapped if type(wrapped) is str else name, unit.queue, _clock() - started,
                       self.failed != failed)
         if self.iter_done is not None:  # the one test other jobs pay for iterable ones

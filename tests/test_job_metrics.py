@@ -370,6 +370,25 @@ def test_a_read_in_chunks_of_minutes_is_the_read_in_one(r, monkeypatch):
     assert one["classes"][0]["series"]["ms"] == [7, 0, 0, 0, 0, 2, 0]
 
 
+@pytest.mark.timeout(20)
+def test_jobs_of_classes_this_worker_cannot_resolve_take_one_row_not_the_cap(running, r,
+                                                                             redis_url):
+    # anyone who can push names such classes: under their own names, junk took a thread's
+    # 500 rows for good, and the app's real classes went to (other) from then on
+    manager, _ = running(1)
+    client = forkq.Client(redis_url)
+    for i in range(3):
+        client.push(f"junk.Name{i}", queue=QUEUE, retry=False)
+    fast.enqueue()
+    want = {jobmetrics.UNKNOWN: (3, 3), "jm.Fast": (1, 0)}
+    wait_until(lambda: {k: (c["processed"], c["failed"]) for k, c in _classes(r).items()} == want,
+               timeout=10, message=f"{want} in the metrics")
+    assert manager.processors[0].jobs.rows.keys() == {jobmetrics.UNKNOWN, "jm.Fast"}
+    # their failures keep their names where an operator looks for them
+    assert sorted(json.loads(e)["class"] for e in r.zrange("dead", 0, -1)) == [
+        "junk.Name0", "junk.Name1", "junk.Name2"]
+
+
 def _sidekiq_7_top_jobs(hash_: dict[bytes, bytes]) -> dict[str, dict[str, int]]:
     """Sidekiq 7's Web UI reading a minute hash (metrics/query.rb, top_jobs, v7.3.9):
     `kls, metric = k.split("|")`, the first two parts of a split at every "|"."""
