@@ -200,9 +200,23 @@ class Processor:
         self.iter_done = None
         job = payload.parse(unit.raw)  # it raised before this, or the fault came after it
         job["queue"] = unit.queue
-        self.processed += 1
-        self.failed += 1
-        self.manager.write(self.outcomes.failed, job, exc, unit.token, lookup(job["class"]))
+        # Where the fault left process() says what it counted already: read from the
+        # traceback, so the jobs that succeed pay nothing for it
+        seen = _process_locals(exc)
+        counted = "wrapped" in seen  # bound just before process() counts the job
+        if not counted:
+            self.processed += 1
+        if seen.get("failed") in (None, self.failed):  # not counted by _perform's failure path
+            self.failed += 1
+        jobdef = lookup(job["class"])
+        self.manager.write(self.outcomes.failed, job, exc, unit.token, jobdef)
+        if not counted:  # after the write, which matters more: a fault here costs the count
+            started = seen.get("started")
+            try:
+                self._observe(_label(job, jobdef), unit.queue,
+                              0.0 if started is None else time.perf_counter() - started, True)
+            except Exception:
+                log.exception("could not count a job forkq failed in the per-class metrics")
         return False
 
     # the default binds a global once: this runs for every job, and each lookup counts
@@ -247,7 +261,7 @@ class Processor:
         # stop raised past here and counts when it runs again
         self.processed += 1
         # ActiveJob's real class, as payload.display_name; a class this worker cannot resolve
-        # goes under one name
+        # goes under one name (_label, which _fault uses; _fault also reads this local)
         wrapped = job.get("wrapped") if jobdef is not None else UNKNOWN
         self._observe(wrapped if type(wrapped) is str else name, unit.queue, _clock() - started,
                       self.failed != failed)
@@ -603,6 +617,25 @@ class Processor:
         log.error("malformed payload moved to the dead set", queue=unit.queue, reason=reason,
                   dead_jid=entry["jid"])
         return False
+
+
+def _label(job: dict[str, Any], jobdef: Any) -> str:
+    """The name a job is counted under in the metrics, as process() works it out."""
+    if jobdef is None:
+        return UNKNOWN
+    wrapped = job.get("wrapped")
+    return wrapped if type(wrapped) is str else job["class"]
+
+
+def _process_locals(exc: BaseException) -> dict[str, Any]:
+    """Processor.process's variables where `exc` left it; {} if it raised before that
+    frame (or process was replaced, as a test may)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is Processor.process.__code__:
+            return tb.tb_frame.f_locals
+        tb = tb.tb_next
+    return {}
 
 
 class MeteredProcessor(Processor):

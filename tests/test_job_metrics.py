@@ -438,6 +438,45 @@ def test_a_class_name_with_a_bar_cannot_count_as_another_class(r, redis_url, cap
     assert _classes(r, minutes=2)["Mailer"]["processed"] == 2
 
 
+@pytest.mark.timeout(20)
+def test_jobs_forkq_failed_outside_their_code_are_counted_once(running, r, monkeypatch):
+    # _fault recorded them as failed but the metrics never saw them; where process() had
+    # counted a job already (or _perform its failure), _fault counted it a second time
+    from forkq import logs, processor
+    manager, _ = running(1)
+    proc = manager.processors[0]
+    trips = {"set_job": 1, "message": 1, "observe": 1}
+    real_set_job, real_message, real_observe = logs.set_job, processor.message, proc._observe
+
+    def tripped(name, real):
+        def call(*a, **kw):
+            if trips[name]:
+                trips[name] -= 1
+                raise RuntimeError(f"a fault in forkq at {name}")
+            return real(*a, **kw)
+        return call
+
+    def row(klass):  # (failed, succeeded) in the thread's table
+        got = proc.jobs.rows.get(klass)
+        return None if got is None else (got[jobmetrics.F], sum(got[jobmetrics.H:]))
+    # before the job runs; in the failure path after _perform counted the failure; in the
+    # count itself (not counted again: a count that faults would fault again). Each wait
+    # ends once _fault finished, its count being the last thing it does
+    monkeypatch.setattr(logs, "set_job", tripped("set_job", real_set_job))
+    fast.enqueue()
+    wait_until(lambda: row("jm.Fast") == (1, 0), timeout=5, message="the first job failed")
+    monkeypatch.setattr(processor, "message", tripped("message", real_message))
+    flaky.enqueue(True)
+    wait_until(lambda: row("jm.Flaky") == (1, 0), timeout=5, message="the second job failed")
+    monkeypatch.setattr(proc, "_observe", tripped("observe", real_observe))
+    fast.enqueue()
+    flaky.enqueue(False)  # run after it by the one thread
+    wait_until(lambda: row("jm.Flaky") == (1, 1), timeout=5, message="the last job counted")
+    assert not any(trips.values())
+    assert (proc.processed, proc.failed) == (4, 3)
+    assert {k: row(k) for k in proc.jobs.rows} == {"jm.Fast": (1, 0), "jm.Flaky": (1, 1)}
+
+
 def test_a_bad_minutes_is_a_400_with_its_reason_not_another_period(r, redis_url, capsys):
     # "abc" (and " 60", "6_0") showed 60 minutes as if asked for; each is one line naming
     # the periods, as the dashboard's other bad parameters are
