@@ -218,11 +218,11 @@ def run(coro: Coroutine[Any, Any, Any], limited: bool = False) -> Any:
             _await_cancelled(job, exc)
             raise
         task = job.task
-        if job.cancelled:
+        if job.cancelled and (task is None or task.cancelled() or task.exception() is not None):
             # an operator's cancel: the job ends as JobCancelled, not with the CancelledError
-            # (or whatever the coroutine made of it) that stopped its task
-            if task is not None and not task.cancelled():
-                task.exception()  # read: asyncio would log it as never retrieved
+            # (or whatever the coroutine made of it) that stopped its task. One that caught
+            # it and returned is done, as a sync job that catches JobCancelled and returns
+            # is: its work finished, and a retry from dead would run it again.
             raise JobCancelled
         assert task is not None
         return task.result()

@@ -120,6 +120,17 @@ async def limited_nap(tag: str) -> None:
         raise ValueError("what the coroutine made of it")  # still ends as JobCancelled
 
 
+@forkq.job(queue=QUEUE, name="cw.async_swallower", keep_result=60)
+async def async_swallower(tag: str) -> str:
+    """Catches its cancellation and returns, as swallower does: done too, not cancelled."""
+    _mark(tag)
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        ran.append(f"swallowed {tag}")
+    return "ok"
+
+
 @forkq.job(queue=QUEUE, name="cw.brief")
 def brief(n: int) -> int:
     end = time.perf_counter() + 0.0001 * (n % 7)
@@ -313,6 +324,25 @@ def test_an_async_job_under_a_time_limit_is_cancelled_on_the_loop_too(running, r
     assert entry["error_class"] == "forkq.JobCancelled"
     assert "cancelled ln" in ran
     assert r.zcard("retry") == 0 and not running.fired
+
+
+@pytest.mark.timeout(20)
+def test_an_async_job_that_swallows_its_cancel_and_returns_is_done_as_a_sync_one_is(running, r):
+    """It ended as JobCancelled though it returned: dead, its value dropped, and a retry
+    from dead would have run again a job that had finished (a sync job that does the same
+    is done: see the test below)."""
+    manager, _ = running(concurrency=1)
+    jid = async_swallower.enqueue("as")
+    wait_started("as")
+    ask_cancel(r, jid)
+    wait_until(lambda: "swallowed as" in ran, timeout=5, message="the cancel reached the task")
+    wait_counts(manager, (1, 0))
+    assert forkq.result(jid, timeout=0) == "ok"
+    # past the grace, by the heartbeat's clock: a given-up record would have come by now
+    wait_beats(r, IDENTITY, count=round(WATCHDOG.grace / BEAT_S) + 3)
+    assert dead(r) == [] and r.zcard("retry") == 0 and manager.counts() == (1, 0)
+    assert r.hexists(keys.CANCEL, jid), "a request the job outlived stays for the operator side"
+    assert not running.fired
 
 
 @pytest.mark.timeout(20)
