@@ -21,7 +21,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from . import batch, keys, logs, payload, results, scripts
-from .retry import MALFORMED_QUEUE, dead_entry_for_malformed
+from .retry import MALFORMED_CLASS, MALFORMED_QUEUE, dead_entry_for_malformed
 
 if TYPE_CHECKING:
     from .fetch import Unit
@@ -189,10 +189,8 @@ def next_payload(rest: Any, value: Any, now: float) -> dict[str, Any]:
             raise Broken(f"{FIELD}[{i}] 'kwargs' is not an object")
         if type(step.get("jid")) is not str or not step["jid"]:
             raise Broken(f"{FIELD}[{i}] has no 'jid' string")
-        try:
-            payload.check_queue(step.get("queue"))
-        except (TypeError, ValueError) as exc:
-            raise Broken(f"{FIELD}[{i}]: {exc}") from None
+        # its queue is checked when its turn comes (destination()): a bad one is a step
+        # that cannot be pushed, parked in dead as itself, not a malformed continuation
         if FIELD in step:
             raise Broken(f"{FIELD}[{i}] holds a {FIELD} of its own")
     nxt = dict(rest[0])
@@ -217,6 +215,19 @@ def next_payload(rest: Any, value: Any, now: float) -> dict[str, Any]:
             raise Broken(f"{FIELD}[0]: {exc}") from None
     nxt["enqueued_at"] = now
     return nxt
+
+
+class Unroutable(Broken):
+    """A next step whose payload is fine but whose queue cannot take it: it goes to dead
+    as itself (the rest of its chain in it), not as a malformed continuation."""
+
+
+def destination(nxt: dict[str, Any]) -> str:
+    """The next step's queue; raise Unroutable if no job can be pushed to it."""
+    try:
+        return payload.check_queue(nxt.get("queue"))
+    except (TypeError, ValueError) as exc:
+        raise Unroutable(f"its next step cannot be pushed: {exc}") from None
 
 
 def encode(nxt: dict[str, Any]) -> bytes:
@@ -252,13 +263,20 @@ def advance(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[st
         raw = encode(nxt)
     except (Broken, ValueError) as exc:
         return _bury(manager, outcomes, unit, job, rest, str(exc), step.keep, element, after, now)
-    queue = nxt["queue"]
+    try:
+        queue = destination(nxt)
+    except Unroutable as exc:
+        return _park(manager, outcomes, unit, job, nxt, "forkq.ChainBroken",
+                     f"{_after_step(job)} cannot go on: {exc}", step.keep, element, after, now)
     done = manager.write(_write, outcomes, unit.token, step.keep, element,
                          [keys.QUEUES, keys.queue(queue)], ["push", queue, raw, 0, 0], after)
-    if done == -1:
-        why = (f"the next step's queue {queue!r} cannot take it: its key {keys.queue(queue)!r} "
-               "holds something other than a list")
-        return _bury(manager, outcomes, unit, job, rest, why, step.keep, element, after, now)
+    if isinstance(done, bytes):  # the type of what the queue's key holds: not a list
+        # as the scheduler parks a due job there (move_due.lua), to be retried once fixed
+        why = (f"{keys.queue(queue)} holds a {done.decode()}, not a list: the next step of a "
+               f"chain, after {payload.display_name(job)} (jid {job.get('jid')}), could not be "
+               "pushed onto it; retry it from dead once the key is fixed")
+        return _park(manager, outcomes, unit, job, nxt, "forkq.QueueNotAList", why, step.keep,
+                     element, after, now)
     if done == 0:
         # the call repeated after its reply was lost (its first went through), or the step
         # was put back by a recovery, and pushes its next step when it runs again
@@ -268,12 +286,16 @@ def advance(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[st
     return "next"
 
 
+def _after_step(job: dict[str, Any]) -> str:
+    return f"the chain after {payload.display_name(job)} (jid {job.get('jid')})"
+
+
 def _bury(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[str, Any], rest: Any,
           why: str, keep: tuple[str, int] | None, element: bytes | str | None,
           after: tuple[str, ...], now: float) -> str:
     """Park a continuation that cannot run in dead (a forkq.MalformedJob entry holding it,
     on a queue nobody serves), acknowledging the step that succeeded in the same call."""
-    reason = f"the chain after {payload.display_name(job)} (jid {job.get('jid')}) cannot go on: {why}"
+    reason = f"{_after_step(job)} cannot go on: {why}"
     reason = reason.encode("utf-8", "backslashreplace").decode()
     try:
         text = json.dumps(rest, ensure_ascii=True)
@@ -281,25 +303,43 @@ def _bury(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[str,
         text = repr(rest)
     entry = dead_entry_for_malformed(text.encode(), MALFORMED_QUEUE, reason, now)
     entry["error_class"] = "forkq.ChainBroken"
+    return _to_dead(manager, outcomes, unit, job, entry, reason, keep, element, after, now)
+
+
+def _park(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[str, Any],
+          nxt: dict[str, Any], error_class: str, why: str, keep: tuple[str, int] | None,
+          element: bytes | str | None, after: tuple[str, ...], now: float) -> str:
+    """Park a next step whose only fault is its destination in dead as itself, the rest of
+    its chain in it, acknowledging the step that succeeded in the same call."""
+    why = why.encode("utf-8", "backslashreplace").decode()
+    entry = dict(nxt, error_class=error_class, error_message=why, failed_at=now)
+    return _to_dead(manager, outcomes, unit, job, entry, why, keep, element, after, now)
+
+
+def _to_dead(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[str, Any],
+             entry: dict[str, Any], reason: str, keep: tuple[str, int] | None,
+             element: bytes | str | None, after: tuple[str, ...], now: float) -> str:
     target = [keys.DEAD, keys.DEAD]
     argv = ["dead", now, payload.dumps(entry), now - keys.DEAD_TIMEOUT_S, keys.DEAD_MAX_JOBS]
     done = manager.write(_write, outcomes, unit.token, keep, element, target, argv, after)
     if done == 0:
         return "gone"
-    log.error("chain ended: its continuation moved to the dead set", jid=job.get("jid"),
+    what = "continuation" if entry.get("class") == MALFORMED_CLASS else "next step"
+    log.error(f"chain ended: its {what} moved to the dead set", jid=job.get("jid"),
               reason=reason, dead_jid=entry["jid"])
     return "dead"
 
 
 def _write(outcomes: "Outcomes", token: str, keep: tuple[str, int] | None,
            element: bytes | str | None, target: list[str], argv: list[Any],
-           after: tuple[str, ...]) -> int:
+           after: tuple[str, ...]) -> int | bytes:
     pipe = outcomes.redis.pipeline(transaction=True)
     if keep is not None and element is not None:
         results.queue_write(pipe, *keep, element)
     pipe.eval(scripts.source("chain_next"), 3, outcomes.inflight_key, *target,
               token, *argv, *after)
-    return int(pipe.execute()[-1])
+    done = pipe.execute()[-1]
+    return done if isinstance(done, bytes) else int(done)
 
 
 def ended(job: dict[str, Any], fate: str) -> None:

@@ -192,9 +192,9 @@ def _continue_chain(entry: dict[str, Any], value: Any) -> dict[str, Any] | None:
         return None
     nxt = chains.next_payload(entry["forkq_chain"], value, time.time())
     encoded = chains.encode(nxt)
+    queue = chains.destination(nxt)
     if getattr(push, "runs_now", False):
         return payload.parse(encoded)  # as a worker would read it back
-    queue = nxt["queue"]
     push([("SADD", keys.QUEUES, queue), ("LPUSH", keys.queue(queue), encoded)])
     return None
 

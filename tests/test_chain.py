@@ -17,7 +17,7 @@ import pytest
 import structlog
 
 import forkq
-from forkq import chains, keys, testing
+from forkq import api, chains, keys, testing
 from forkq.fetch import requeue_owner_counts
 from corekit import hand_driven_fixture, queued, run_one
 from helpers import wait_until
@@ -287,7 +287,6 @@ def test_client_middleware_sees_each_step_and_may_not_skip_one(redis_url, r):
     ([{"args": []}], r"forkq_chain\[0\] has no 'class'"),
     ([{"class": "chain_test.step", "args": ["b"], "jid": "j2", "queue": "cq"}, {"class": "y"}],
      r"forkq_chain\[1\] 'args'"),
-    ([{"class": "chain_test.step", "args": ["b"], "jid": "j2", "queue": ""}], "queue"),
 ])
 def test_a_malformed_continuation_goes_to_dead_and_the_step_is_acked(client, r, worker, bad, why):
     client.push("chain_test.kept", [5], queue="cq", keep_result=60, forkq_chain=bad)
@@ -304,14 +303,53 @@ def test_a_malformed_continuation_goes_to_dead_and_the_step_is_acked(client, r, 
     assert forkq.result(kept_jid, client=client) == 10  # the step's success stands
 
 
-def test_a_next_queue_key_that_is_no_list_parks_the_continuation_in_dead(client, r, worker):
+def test_a_next_queue_key_that_is_no_list_parks_that_step_itself_in_dead(client, r, worker):
+    """Its payload is fine, only its queue's key is not: it went to dead as a MalformedJob
+    holding the whole continuation, told only "something other than a list", and no
+    retry from dead could carry on. Now the step itself is there, as the scheduler parks a
+    due job whose queue's key holds no list, with the key's type named."""
     r.set("queue:elsewhere", "x")
-    forkq.chain(step.call("a"), step.options(queue="elsewhere").call("b")).enqueue()
+    jids = forkq.chain(step.call("a"), step.options(queue="elsewhere").call("b"),
+                       step.call("c")).enqueue()
     run_one(worker)
     assert inflight(r, worker) == 0 and worker.fetch.pending_acks() == 0
     (entry,) = dead(r)
-    assert "holds something other than a list" in entry["error_message"]
-    assert json.loads(entry["forkq_original"])[0]["args"] == ["b"]
+    assert entry["class"] == "chain_test.step" and entry["jid"] == jids[1]
+    assert entry["args"] == ["b"] and entry["queue"] == "elsewhere"
+    assert [s["jid"] for s in entry["forkq_chain"]] == jids[2:]
+    assert entry["error_class"] == "forkq.QueueNotAList"
+    assert entry["error_message"] == (
+        f"queue:elsewhere holds a string, not a list: the next step of a chain, after "
+        f"chain_test.step (jid {jids[0]}), could not be pushed onto it; retry it from dead "
+        "once the key is fixed")
+    r.delete("queue:elsewhere")  # fixed: a retry from dead carries on
+    dead_set = api.SortedSet(r, "dead")
+    assert dead_set.retry_now(dead_set.page(0)) == 1
+    assert [j["jid"] for j in queued(r, "elsewhere")] == [jids[1]]
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("", "a job's queue must be a non-empty name without a newline, not ''"),
+    (7, "a job's queue must be a str, not int (7)"),
+])
+def test_a_next_step_with_an_unusable_queue_name_goes_to_dead_itself(client, r, worker, bad, why):
+    """Its payload was called malformed and buried in a MalformedJob as the continuation's
+    JSON, though only its destination was bad; and a later step's bad queue stopped the
+    chain early, at a step whose own next step was fine."""
+    nxt = {"class": "chain_test.step", "args": ["b"], "jid": "j2", "queue": "cq"}
+    later = {"class": "chain_test.step", "args": ["c"], "jid": "j3", "queue": bad}
+    client.push("chain_test.step", ["a"], queue="cq", forkq_chain=[nxt, later])
+    run_one(worker)
+    assert dead(r) == [] and [j["jid"] for j in queued(r, "cq")] == ["j2"]
+    run_one(worker)
+    assert inflight(r, worker) == 0 and calls == [["a"], ["b"]] and queued(r, "cq") == []
+    (entry,) = dead(r)
+    assert entry["class"] == "chain_test.step" and entry["jid"] == "j3" and entry["queue"] == bad
+    assert entry["error_class"] == "forkq.ChainBroken"
+    assert entry["error_message"] == (
+        f"the chain after chain_test.step (jid j2) cannot go on: its next step cannot be "
+        f"pushed: {why}")
+    assert "forkq_original" not in entry
 
 
 def test_pass_result_appends_the_value_and_an_unstorable_one_goes_to_dead(client, r, worker):

@@ -7,8 +7,9 @@
 -- then (key, jid) pairs (_after.lua): a unique job's lock, a batch to count the step in.
 -- Returns 1 when done; 0, writing nothing, when the step's entry is no longer in flight
 -- (this call repeated after its reply was lost, or the job put back by a recovery, so it
--- runs again and pushes then): a next step is pushed once per entry, never twice; -1,
--- writing nothing, when the queue's key holds something other than a list.
+-- runs again and pushes then): a next step is pushed once per entry, never twice; the
+-- type of what the queue's key holds ('string', 'hash'...), writing nothing, when it is
+-- not a list.
 local function after_success(args, first, last)
 --#include batch
 --#include after
@@ -19,7 +20,7 @@ end
 if ARGV[2] == 'push' then
   local kind = redis.call('TYPE', KEYS[3])['ok']
   if kind ~= 'list' and kind ~= 'none' then
-    return -1
+    return kind
   end
   redis.call('LPUSH', KEYS[3], ARGV[4])
   redis.call('SADD', KEYS[2], ARGV[3])
