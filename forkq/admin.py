@@ -736,7 +736,11 @@ def _queue_command(conn, args: argparse.Namespace) -> int:
     line = f"delete: {count} job{'' if count == 1 else 's'} of queue {name}"
     if args.all:  # nothing stops workers: the jobs they took run as usual
         line += " (workers may have taken some meanwhile)"
-    _emit(args, {"queue": args.queue_name, "action": "delete", "count": count}, [line])
+    if queue.chains_cut:  # a cancel would have kept them, in dead
+        line += (f"; {queue.chains_cut} of them carried the rest of a chain, whose later steps "
+                 "will not run (forkq cancel parks a step in dead with them)")
+    _emit(args, {"queue": args.queue_name, "action": "delete", "count": count,
+                 "chains_cut": queue.chains_cut}, [line])
     return 0
 
 

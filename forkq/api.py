@@ -161,6 +161,9 @@ class Queue(_List):
             raise ValueError("page_size must be at least 1")
         super().__init__(conn, name, keys.queue(name))
         self.page_size = page_size
+        # how many of the jobs delete() and clear() removed carried the rest of a chain
+        # (forkq.chain): its later steps will not run, where a cancel keeps them in dead
+        self.chains_cut = 0
 
     def listed(self) -> bool:
         """Whether the `queues` set names it (an empty queue is still a queue)."""
@@ -255,7 +258,10 @@ class Queue(_List):
         for a page. Given bytes, removes the first entry with exactly those (LREM 1 from
         the newest end): equal bytes are the same job pushed twice."""
         if isinstance(entries, (bytes, str)):
-            return _forget(self.redis, self.key, "list", [Entry.of(entries, 0.0)])
+            entry = Entry.of(entries, 0.0)
+            removed = _forget(self.redis, self.key, "list", [entry])
+            self.chains_cut += _chained([entry][:removed])
+            return removed
         ordered = sorted(entries, key=lambda e: e.score)
         forget = scripts.load(self.redis, "forget")
         removed = 0
@@ -263,7 +269,10 @@ class Queue(_List):
         # A round trip each, not one pipeline: Redis serves others between the calls.
         for end in range(len(ordered), 0, -CLEAR_PAGE):
             call = ordered[max(0, end - CLEAR_PAGE):end]
-            removed += int(forget(keys=[self.key], args=_near_args(call)))
+            gone = int(forget(keys=[self.key], args=_near_args(call)))
+            removed += gone
+            # those not removed were taken by workers, which pop the highest indices first
+            self.chains_cut += _chained(call[:gone])
         return removed
 
     def clear(self) -> int:
@@ -288,8 +297,9 @@ class Queue(_List):
         budget = 2 * int(size) + CLEAR_PAGE
         removed = 0
         while True:
-            looked, plain, length, *rest = reply
+            looked, plain, length, chained, *rest = reply
             removed += int(plain)
+            self.chains_cut += int(chained)
             budget -= int(looked)
             if not rest:
                 if int(looked) == 0 or budget <= 0:
@@ -304,9 +314,17 @@ class Queue(_List):
                 take(keys=[self.key], args=[CLEAR_PAGE], client=pipe)
             replies = pipe.execute()
             removed += int(replies[0])
+            # those not removed were taken by workers, from the right end: the last ones
+            self.chains_cut += _chained(entries[:int(replies[0])])
             if budget <= 0:
                 return removed
             reply = replies[1]
+
+
+def _chained(entries: list[Entry]) -> int:
+    """How many of these carry the rest of a chain (chains.FIELD, a non-empty list)."""
+    return sum(1 for e in entries
+               if e.job is not None and type(e.job.get("forkq_chain")) is list and e.job["forkq_chain"])
 
 
 # -- processes and running jobs ---------------------------------------------------------

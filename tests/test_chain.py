@@ -443,3 +443,39 @@ def test_a_real_master_runs_a_chain_once_through_a_sigkill(start_master, redis_u
     assert len(sup_events(r, "start", "victim")) == 2
     wait_until(lambda: r.llen("queue:default") == 0, timeout=5)
     assert dead(r) == [] and r.zcard("retry") == 0
+
+
+def test_queue_delete_says_how_many_deleted_jobs_carried_the_rest_of_a_chain(r, capsys):
+    """A cancel keeps a chain's later steps in dead; `forkq queue NAME delete` dropped them
+    without a word. It now counts the deleted jobs that carried a chain, whichever way they
+    were deleted: by class or jid (read in Python), or all (dropped by clear_list_page.lua,
+    or handed back to Python when they hold a lock or batch to end)."""
+    from forkq import cli
+
+    def job(i, klass="Step", **extra):
+        return {"class": klass, "args": [i], "jid": f"{i:024x}", "queue": "mail", **extra}
+
+    rest = [{"class": "Next", "args": [], "jid": "n" * 24, "queue": "mail"}]
+    jobs = [job(1, forkq_chain=rest), job(2), job(3, forkq_chain=rest), job(4, "Other"),
+            job(5, "Other", forkq_chain=rest), job(6, "Other", args=[{"forkq_chain": [1]}]),
+            job(7, "Other", forkq_chain=rest, unique_for=60), job(8, "Other", forkq_chain=[]),
+            job(9, "Other", forkq_chain=rest)]
+    r.rpush(keys.queue("mail"), *[json.dumps(j) for j in jobs])
+    r.sadd(keys.QUEUES, "mail")
+    assert cli.main(["queue", "mail", "delete", "--class", "Step"]) == 0
+    assert capsys.readouterr().out == (
+        "delete: 3 jobs of queue mail; 2 of them carried the rest of a chain, whose later steps "
+        "will not run (forkq cancel parks a step in dead with them)\n")
+    assert cli.main(["queue", "mail", "delete", "--jid", f"{9:024x}", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"queue": "mail", "action": "delete", "count": 1,
+                                                   "chains_cut": 1}
+    assert cli.main(["queue", "mail", "delete", "--all"]) == 0
+    assert capsys.readouterr().out == (
+        "delete: 5 jobs of queue mail (workers may have taken some meanwhile); 2 of them carried "
+        "the rest of a chain, whose later steps will not run (forkq cancel parks a step in dead "
+        "with them)\n")
+    assert r.llen(keys.queue("mail")) == 0
+    r.rpush(keys.queue("mail"), json.dumps(job(10)))
+    assert cli.main(["queue", "mail", "delete", "--all"]) == 0
+    assert capsys.readouterr().out == (
+        "delete: 1 job of queue mail (workers may have taken some meanwhile)\n")

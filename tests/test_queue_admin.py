@@ -198,7 +198,8 @@ def test_queue_delete_commands_print_counts_and_exit_codes(r, redis_url, capsys)
     assert cli.main(["queue", "mail", "delete", "--class", "Bad"]) == 0
     assert capsys.readouterr().out == "delete: 3 jobs of queue mail\n"
     assert cli.main(["queue", "mail", "delete", "--jid", jids[1], "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"queue": "mail", "action": "delete", "count": 1}
+    assert json.loads(capsys.readouterr().out) == {"queue": "mail", "action": "delete", "count": 1,
+                                                   "chains_cut": 0}
     assert len(locks(r)) == 3 and r.llen(keys.queue("mail")) == 3
     assert cli.main(["queue", "mail", "delete", "--jid", jids[1]]) == 1
     assert capsys.readouterr().err == f"forkq: no job with jid {jids[1]} waits on queue mail\n"
