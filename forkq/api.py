@@ -322,9 +322,11 @@ class Queue(_List):
 
 
 def _chained(entries: list[Entry]) -> int:
-    """How many of these carry the rest of a chain (chains.FIELD, a non-empty list)."""
+    """How many of these carry the rest of a chain (chains.FIELD: a non-empty list, or a
+    reference to a stored chain's steps)."""
     return sum(1 for e in entries
-               if e.job is not None and type(e.job.get("forkq_chain")) is list and e.job["forkq_chain"])
+               if e.job is not None and type(e.job.get("forkq_chain")) in (list, dict)
+               and e.job["forkq_chain"])
 
 
 # -- processes and running jobs ---------------------------------------------------------

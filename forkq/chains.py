@@ -2,10 +2,15 @@
 
 Every step's payload is built when the chain is pushed, each with its own jid. The first
 step is pushed as any job is; the others ride in its payload under `forkq_chain`, a JSON
-array of the remaining payloads. When a step succeeds, the worker pushes the next one
-(carrying the rest) and releases the step's in-flight entry in one script call
-(scripts/chain_next.lua), which pushes nothing if the entry is no longer in flight: a
-successor is pushed once for each run that succeeded and was not put back, never twice.
+array of the remaining payloads, as long as they are small (INLINE_BYTES): each step
+carries all those after it, so a long chain written that way would write N²/2 payloads
+over its life. A longer chain's later steps go, once, to a list of their own
+(keys.chain), and `forkq_chain` is a reference to it, {"key", "next", "steps"}: the
+worker reads the next step by its index. When a step succeeds, the worker pushes the next
+one (carrying the rest, or the reference moved on) and releases the step's in-flight
+entry in one script call (scripts/chain_next.lua), which pushes nothing if the entry is no
+longer in flight: a successor is pushed once for each run that succeeded and was not put
+back, never twice. The same call deletes the list once it pushes the last step.
 
 A step that fails retries as any job, its chain in its payload; one that ends in dead
 keeps the rest there, and a retry from dead carries on. Sidekiq (Ruby) ignores the field:
@@ -16,11 +21,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from . import batch, keys, logs, payload, results, scripts
+from .errors import MalformedPayload
 from .retry import MALFORMED_CLASS, MALFORMED_QUEUE, dead_entry_for_malformed
 
 if TYPE_CHECKING:
@@ -32,6 +38,8 @@ if TYPE_CHECKING:
 log = logs.get("forkq.chain")
 
 FIELD = "forkq_chain"
+# later steps of up to this many bytes ride in the first step's payload; more go to a key
+INLINE_BYTES = 8192
 # in a step's own payload, only in a chain built with pass_result=True: the previous
 # step's return value goes at the end of its args (and the flag goes, once it has)
 PASS = "forkq_pass_result"
@@ -141,7 +149,19 @@ class Chain:
         jids = [j["jid"] for j in jobs]
         first = jobs[0]
         if len(jobs) > 1:
-            first[FIELD] = jobs[1:]
+            later = jobs[1:]
+            raws = [payload.dumps(j) for j in later]
+            if sum(map(len, raws)) <= INLINE_BYTES:
+                first[FIELD] = later
+            else:
+                key = keys.chain(first["jid"])
+                wait = 0.0 if at is None else max(0.0, at - time.time())
+                ttl_ms = int((keys.CHAIN_TTL_S + wait) * 1000)
+                # written before the first step can run; a push that fails after it leaves
+                # a list that expires. MULTI: never a list without its expiry
+                client._send([("MULTI",), ("DEL", key), ("RPUSH", key, *raws),
+                              ("PEXPIRE", key, ttl_ms), ("EXEC",)])
+                first[FIELD] = {"key": key, "next": 0, "steps": len(later)}
         client.push_jobs([first], at=at, middleware=False)
         return jids
 
@@ -172,30 +192,70 @@ class Broken(Exception):
     """A continuation that cannot be pushed: the reason it goes to dead."""
 
 
-def next_payload(rest: Any, value: Any, now: float) -> dict[str, Any]:
+Read = Callable[[str, int], "bytes | str | None"]
+
+
+def stored(rest: Any) -> str | None:
+    """The key of a chain whose steps are kept in one (`forkq_chain` a reference to it),
+    once the reference is checked; None for steps carried in the payload; raise Broken
+    for a reference that is not one (never a key outside keys.CHAIN_PREFIX)."""
+    if type(rest) is not dict:
+        return None
+    key, at, steps = rest.get("key"), rest.get("next"), rest.get("steps")
+    if (type(key) is not str or not key.startswith(keys.CHAIN_PREFIX) or type(at) is not int
+            or type(steps) is not int or not 0 <= at < steps):
+        raise Broken(f"{FIELD} is neither a non-empty list of job payloads nor a reference to "
+                     f"a chain's steps ({{\"key\": \"{keys.CHAIN_PREFIX}...\", \"next\": i, "
+                     f"\"steps\": n}})")
+    return key
+
+
+def _check(where: str, step: Any) -> None:
+    if type(step) is not dict:
+        raise Broken(f"{where} is not an object (a job payload)")
+    name = step.get("class")
+    if type(name) is not str or not name:
+        raise Broken(f"{where} has no 'class' string")
+    if type(step.get("args")) is not list:
+        raise Broken(f"{where} 'args' is missing or not a list")
+    if "kwargs" in step and type(step["kwargs"]) is not dict:
+        raise Broken(f"{where} 'kwargs' is not an object")
+    if type(step.get("jid")) is not str or not step["jid"]:
+        raise Broken(f"{where} has no 'jid' string")
+    # its queue is checked when its turn comes (destination()): a bad one is a step that
+    # cannot be pushed, parked in dead as itself, not a malformed continuation
+    if FIELD in step:
+        raise Broken(f"{where} holds a {FIELD} of its own")
+
+
+def next_payload(rest: Any, value: Any, now: float, read: Read | None = None) -> dict[str, Any]:
     """The next step's payload, carrying the steps after it, from a step's `forkq_chain`
-    and the value the step returned; raise Broken with the reason it cannot run."""
-    if type(rest) is not list or not rest:
-        raise Broken(f"{FIELD} is not a non-empty list of job payloads")
-    for i, step in enumerate(rest):
-        if type(step) is not dict:
-            raise Broken(f"{FIELD}[{i}] is not an object (a job payload)")
-        name = step.get("class")
-        if type(name) is not str or not name:
-            raise Broken(f"{FIELD}[{i}] has no 'class' string")
-        if type(step.get("args")) is not list:
-            raise Broken(f"{FIELD}[{i}] 'args' is missing or not a list")
-        if "kwargs" in step and type(step["kwargs"]) is not dict:
-            raise Broken(f"{FIELD}[{i}] 'kwargs' is not an object")
-        if type(step.get("jid")) is not str or not step["jid"]:
-            raise Broken(f"{FIELD}[{i}] has no 'jid' string")
-        # its queue is checked when its turn comes (destination()): a bad one is a step
-        # that cannot be pushed, parked in dead as itself, not a malformed continuation
-        if FIELD in step:
-            raise Broken(f"{FIELD}[{i}] holds a {FIELD} of its own")
-    nxt = dict(rest[0])
-    if len(rest) > 1:
-        nxt[FIELD] = rest[1:]
+    and the value the step returned; raise Broken with the reason it cannot run. `read`
+    (key, index) gives a stored chain's step (LINDEX), None if it is not there."""
+    key = stored(rest)
+    if key is not None:
+        at, steps = rest["next"], rest["steps"]
+        raw = None if read is None else read(key, at)
+        if raw is None:
+            raise Broken(f"step {at + 1} of the {steps} after the first is not in {key} (it "
+                         f"expires {keys.CHAIN_TTL_S // 86400} days after the chain last "
+                         "moved, or was deleted): it and the steps after it cannot run")
+        try:
+            step = payload.parse(raw)
+        except MalformedPayload as exc:
+            raise Broken(f"{key}[{at}] is not a job payload: {exc}") from None
+        _check(f"{key}[{at}]", step)
+        nxt = dict(step)
+        if at + 1 < steps:
+            nxt[FIELD] = {"key": key, "next": at + 1, "steps": steps}
+    else:
+        if type(rest) is not list or not rest:
+            raise Broken(f"{FIELD} is not a non-empty list of job payloads")
+        for i, step in enumerate(rest):
+            _check(f"{FIELD}[{i}]", step)
+        nxt = dict(rest[0])
+        if len(rest) > 1:
+            nxt[FIELD] = rest[1:]
     if nxt.pop(PASS, False) is True:
         if type(value) is tuple:
             value = list(value)  # as a tuple argument travels
@@ -212,7 +272,7 @@ def next_payload(rest: Any, value: Any, now: float) -> dict[str, Any]:
         try:
             payload.stamp_expiry(nxt, now)
         except (TypeError, ValueError) as exc:
-            raise Broken(f"{FIELD}[0]: {exc}") from None
+            raise Broken(f"{FIELD}[0]: {exc}" if key is None else f"{key}[{rest['next']}]: {exc}") from None
     nxt["enqueued_at"] = now
     return nxt
 
@@ -258,25 +318,35 @@ def advance(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[st
     rest = fetched.get(FIELD)
     element = None if step.keep is None else results.success(value, step.keep[0])
     after = step.after or ()
+    # a stored chain's list lives on while its steps may still be pushed from dead
+    chain: tuple[str, str] | tuple[()] = ()
     try:
-        nxt = next_payload(rest, value, now)
+        key = stored(rest)
+        if key is not None:
+            chain = (key, "keep")
+        nxt = next_payload(rest, value, now, lambda k, i: manager.write(outcomes.redis.lindex, k, i))
         raw = encode(nxt)
     except (Broken, ValueError) as exc:
-        return _bury(manager, outcomes, unit, job, rest, str(exc), step.keep, element, after, now)
+        return _bury(manager, outcomes, unit, job, rest, str(exc), step.keep, element, after,
+                     now, chain)
     try:
         queue = destination(nxt)
     except Unroutable as exc:
         return _park(manager, outcomes, unit, job, nxt, "forkq.ChainBroken",
-                     f"{_after_step(job)} cannot go on: {exc}", step.keep, element, after, now)
+                     f"{_after_step(job)} cannot go on: {exc}", step.keep, element, after, now,
+                     chain)
+    # its last step pushed, nothing reads the list again
+    push_chain = (chain[0], "del") if chain and FIELD not in nxt else chain
     done = manager.write(_write, outcomes, unit.token, step.keep, element,
-                         [keys.QUEUES, keys.queue(queue)], ["push", queue, raw, 0, 0], after)
+                         [keys.QUEUES, keys.queue(queue)], ["push", queue, raw, 0, 0], after,
+                         push_chain)
     if isinstance(done, bytes):  # the type of what the queue's key holds: not a list
         # as the scheduler parks a due job there (move_due.lua), to be retried once fixed
         why = (f"{keys.queue(queue)} holds a {done.decode()}, not a list: the next step of a "
                f"chain, after {payload.display_name(job)} (jid {job.get('jid')}), could not be "
                "pushed onto it; retry it from dead once the key is fixed")
         return _park(manager, outcomes, unit, job, nxt, "forkq.QueueNotAList", why, step.keep,
-                     element, after, now)
+                     element, after, now, chain)
     if done == 0:
         # the call repeated after its reply was lost (its first went through), or the step
         # was put back by a recovery, and pushes its next step when it runs again
@@ -292,7 +362,7 @@ def _after_step(job: dict[str, Any]) -> str:
 
 def _bury(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[str, Any], rest: Any,
           why: str, keep: tuple[str, int] | None, element: bytes | str | None,
-          after: tuple[str, ...], now: float) -> str:
+          after: tuple[str, ...], now: float, chain: tuple[str, str] | tuple[()] = ()) -> str:
     """Park a continuation that cannot run in dead (a forkq.MalformedJob entry holding it,
     on a queue nobody serves), acknowledging the step that succeeded in the same call."""
     reason = f"{_after_step(job)} cannot go on: {why}"
@@ -303,25 +373,27 @@ def _bury(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[str,
         text = repr(rest)
     entry = dead_entry_for_malformed(text.encode(), MALFORMED_QUEUE, reason, now)
     entry["error_class"] = "forkq.ChainBroken"
-    return _to_dead(manager, outcomes, unit, job, entry, reason, keep, element, after, now)
+    return _to_dead(manager, outcomes, unit, job, entry, reason, keep, element, after, now, chain)
 
 
 def _park(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[str, Any],
           nxt: dict[str, Any], error_class: str, why: str, keep: tuple[str, int] | None,
-          element: bytes | str | None, after: tuple[str, ...], now: float) -> str:
+          element: bytes | str | None, after: tuple[str, ...], now: float,
+          chain: tuple[str, str] | tuple[()] = ()) -> str:
     """Park a next step whose only fault is its destination in dead as itself, the rest of
     its chain in it, acknowledging the step that succeeded in the same call."""
     why = why.encode("utf-8", "backslashreplace").decode()
     entry = dict(nxt, error_class=error_class, error_message=why, failed_at=now)
-    return _to_dead(manager, outcomes, unit, job, entry, why, keep, element, after, now)
+    return _to_dead(manager, outcomes, unit, job, entry, why, keep, element, after, now, chain)
 
 
 def _to_dead(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[str, Any],
              entry: dict[str, Any], reason: str, keep: tuple[str, int] | None,
-             element: bytes | str | None, after: tuple[str, ...], now: float) -> str:
+             element: bytes | str | None, after: tuple[str, ...], now: float,
+             chain: tuple[str, str] | tuple[()]) -> str:
     target = [keys.DEAD, keys.DEAD]
     argv = ["dead", now, payload.dumps(entry), now - keys.DEAD_TIMEOUT_S, keys.DEAD_MAX_JOBS]
-    done = manager.write(_write, outcomes, unit.token, keep, element, target, argv, after)
+    done = manager.write(_write, outcomes, unit.token, keep, element, target, argv, after, chain)
     if done == 0:
         return "gone"
     what = "continuation" if entry.get("class") == MALFORMED_CLASS else "next step"
@@ -332,12 +404,15 @@ def _to_dead(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[s
 
 def _write(outcomes: "Outcomes", token: str, keep: tuple[str, int] | None,
            element: bytes | str | None, target: list[str], argv: list[Any],
-           after: tuple[str, ...]) -> int | bytes:
+           after: tuple[str, ...], chain: tuple[str, str] | tuple[()] = ()) -> int | bytes:
+    """`chain`: a stored chain's (key, "keep" or "del"): its expiry renewed, or the list
+    deleted once its last step is pushed."""
     pipe = outcomes.redis.pipeline(transaction=True)
     if keep is not None and element is not None:
         results.queue_write(pipe, *keep, element)
-    pipe.eval(scripts.source("chain_next"), 3, outcomes.inflight_key, *target,
-              token, *argv, *after)
+    key, action = chain or (None, "")
+    pipe.eval(scripts.source("chain_next"), 4 if key else 3, outcomes.inflight_key, *target,
+              *([key] if key else []), token, *argv, action, keys.CHAIN_TTL_S * 1000, *after)
     done = pipe.execute()[-1]
     return done if isinstance(done, bytes) else int(done)
 
@@ -346,6 +421,9 @@ def ended(job: dict[str, Any], fate: str) -> None:
     """Log that a chained job left without success for good, other than to dead (where
     the rest of its chain waits in its entry): the steps after it will not run."""
     rest = job.get(FIELD)
+    left = len(rest) if type(rest) is list else None
+    if type(rest) is dict and type(rest.get("steps")) is int and type(rest.get("next")) is int:
+        left = rest["steps"] - rest["next"]
     log.warning(f"chain ended: its step was {fate}, the steps after it will not run",
-                jid=job.get("jid"), left=len(rest) if type(rest) is list else None,
+                jid=job.get("jid"), left=left,
                 **{"class": payload.display_name(job)})

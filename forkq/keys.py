@@ -50,6 +50,10 @@ FLUSHED_TTL_S = 3600
 
 # A job's kept outcome (`keep_result`): see result()
 RESULT_PREFIX = "forkq:result:"
+CHAIN_PREFIX = "forkq:chain:"
+# a long chain's steps outlive a step's stay in dead (a retry from there goes on) and a
+# month of retries before it
+CHAIN_TTL_S = DEAD_TIMEOUT_S + 30 * 24 * 3600
 # A batch's hash, and its ":jids" and ":failed" beside it: see batch()
 BATCH_PREFIX = "forkq:batch:"
 # The index of batches, for listing them: a sorted set, bid -> created_at. Written by the
@@ -145,6 +149,13 @@ def result(jid: str) -> str:
     """A `keep_result` job's outcome: a list of one JSON element (see forkq.results),
     expiring keep_result seconds after it was written."""
     return RESULT_PREFIX + jid
+
+
+def chain(jid: str) -> str:
+    """A long chain's later steps (forkq.chains): a list of their payloads, pushed with its
+    first step (jid `jid`), read by index as each step succeeds, deleted once its last
+    step is pushed; it expires CHAIN_TTL_S after the chain last moved."""
+    return CHAIN_PREFIX + jid
 
 
 def batch(bid: str) -> str:

@@ -40,6 +40,7 @@ _lock = threading.Lock()
 # jid -> the (done, total, note) its runs reported through forkq.progress(), while a mode
 # is on (None when none is): what a worker would show at its heartbeats, every report kept
 _reports: dict[Any, list[tuple[Any, Any, Any]]] | None = None
+_chains: dict[str, list[Any]] | None = None  # a long chain's stored steps, by key, in a mode
 
 
 class _Recorder:
@@ -190,7 +191,9 @@ def _continue_chain(entry: dict[str, Any], value: Any) -> dict[str, Any] | None:
     push = client.test_push
     if push is None:  # the mode ended while the job ran
         return None
-    nxt = chains.next_payload(entry["forkq_chain"], value, time.time())
+    stored = _chains or {}
+    nxt = chains.next_payload(entry["forkq_chain"], value, time.time(),
+                              lambda key, i: stored[key][i] if i < len(stored.get(key, ())) else None)
     encoded = chains.encode(nxt)
     queue = chains.destination(nxt)
     if getattr(push, "runs_now", False):
@@ -202,10 +205,13 @@ def _continue_chain(entry: dict[str, Any], value: Any) -> dict[str, Any] | None:
 def _pushed(commands: list[tuple]) -> list[tuple[dict[str, Any], float | None]]:
     """The jobs in a push's Redis commands, as a worker would read them back, each with its
     run time if it went to the schedule: the commands are what Client.push_jobs would send,
-    after its checks, client middleware and encoding."""
+    after its checks, client middleware and encoding. A long chain's stored steps are kept
+    in memory, for its steps to read as a worker reads them from Redis."""
     out: list[tuple[dict[str, Any], float | None]] = []
     for command in commands:
-        if command[0] == "LPUSH":
+        if command[0] == "RPUSH" and command[1].startswith(keys.CHAIN_PREFIX) and _chains is not None:
+            _chains[command[1]] = list(command[2:])
+        elif command[0] == "LPUSH":
             out += [(payload.parse(raw), None) for raw in command[2:]]
         elif command[0] == "ZADD":
             out += [(payload.parse(raw), float(at)) for at, raw in zip(command[2::2], command[3::2])]
@@ -240,14 +246,16 @@ def inline() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _mode(push: client.TestPush) -> Iterator[None]:
-    global _reports
-    previous, kept, reports = client.test_push, results._memory, _reports
+    global _reports, _chains
+    previous, kept, reports, stored = client.test_push, results._memory, _reports, _chains
     client.test_push = push
     results._memory = {} if kept is None else kept  # a mode inside another shares its results
     _reports = {} if reports is None else reports  # and its progress reports
+    _chains = {} if stored is None else stored  # and its chains
     try:
         yield
     finally:
         client.test_push = previous
         results._memory = kept
         _reports = reports
+        _chains = stored
