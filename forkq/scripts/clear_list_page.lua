@@ -34,9 +34,11 @@ if #taken == 0 then
   return {0, 0, 0, 0}
 end
 -- the text search first: only a member that names the field is decoded, to tell a chain
--- from an argument that holds the word
+-- from an argument that holds the word. 'q_chain"', not '"forkq_chain"': a plain search
+-- stops at each occurrence of its first character, and a payload is full of quotes (0.2
+-- against 0.45 us a member; about a tenth of a page's time for plain jobs)
 local function carries_chain(m)
-  if not string.find(m, '"forkq_chain"', 1, true) then
+  if not string.find(m, 'q_chain"', 1, true) then
     return false
   end
   local ok, job = pcall(cjson.decode, m)
