@@ -5,6 +5,7 @@ worker took it meanwhile) keeps its own. In-process, against the shared Redis.""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -61,3 +62,21 @@ def test_deleting_queued_jobs_deletes_their_checkpoints(r):
     assert points(r) == {"q2", "q3", "live"}
     assert queue.clear() == 4 and r.llen(f"queue:{QUEUE}") == 0
     assert points(r) == {"live"}
+
+
+@pytest.mark.timeout(10)
+def test_a_delete_all_finds_the_checkpoint_whatever_jid_the_args_name_first(r):
+    """The text is searched for the job's jid, and the args come before it (as Sidekiq and
+    forkq write a payload): a dict among them with a "jid" key of a job without a checkpoint
+    hid the job's own, dropped with its entry and left for the 30-day TTL. Also a payload
+    written with spaces (`json.dumps`' default, a hand-written push), kept as written."""
+    for jid in ("s1", "s2", "q1", "q2"):
+        point(r, jid)
+    spaced = json.dumps({"class": "it.x", "queue": QUEUE, "args": [], "jid": "s2"}).encode()
+    r.zadd("dead", {entry("s1", {"jid": "gone"}): 1, spaced: 2, entry("plain", {"jid": "none"}): 3})
+    assert api.dead(r).clear() == 3 and r.zcard("dead") == 0
+    queue = api.Queue(r, QUEUE)
+    spaced = json.dumps({"class": "it.x", "queue": QUEUE, "args": [], "jid": "q2"}).encode()
+    r.lpush(f"queue:{QUEUE}", entry("q1", {"jid": "gone"}), spaced, entry("plain", {"jid": "none"}))
+    assert queue.clear() == 3 and r.llen(f"queue:{QUEUE}") == 0
+    assert points(r) == set()

@@ -9,18 +9,30 @@ end
 
 -- Which of `members` may be an iterable job with a checkpoint (forkq:iter:JID), to be kept
 -- for the caller too, which parses the jid and has forget.lua delete the checkpoint with
--- the entry: a set of their indices. The jid is read off the text ("jid":"..., compact
--- JSON, as forkq and Sidekiq write it; an entry written otherwise keeps its checkpoint
--- until the TTL), and only one whose checkpoint exists is kept: a "jid" met first in the
--- args can only cost a parse. One MGET per 500 members, no decoding here.
+-- the entry: a set of their indices. The jid is read off the text, no decoding here: each
+-- "jid" key's string value, with or without spaces around its colon. Every one is looked
+-- up, not the first: the args come before the job's own jid (as forkq and Sidekiq write a
+-- payload), and a dict among them with a "jid" of a job without a checkpoint hid the
+-- job's. A "jid" in the args of a job with one costs only a parse; inside a string its
+-- quotes are escaped, so it is not met. One MGET per 500 names.
 local function checkpointed(members)
   local names, at, out = {}, {}, {}
   for i, m in ipairs(members) do
-    local _, b = string.find(m, '"jid":"', 1, true)
-    local e = b and string.find(m, '"', b + 1, true)
-    if e then
-      names[#names + 1] = 'forkq:iter:' .. string.sub(m, b + 1, e - 1)
-      at[#names] = i
+    local from = 1
+    while true do
+      local _, b = string.find(m, '"jid"', from, true)
+      if not b then
+        break
+      end
+      local _, q = string.find(m, '^%s*:%s*"', b + 1)
+      local e = q and string.find(m, '"', q + 1, true)
+      if e then
+        names[#names + 1] = 'forkq:iter:' .. string.sub(m, q + 1, e - 1)
+        at[#names] = i
+        from = e + 1
+      else
+        from = b + 1
+      end
     end
   end
   for s = 1, #names, 500 do
