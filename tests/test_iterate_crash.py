@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import forkq
 from forkq import iterate, keys
 from forkq.fetch import requeue_owner_counts
 
@@ -72,3 +73,45 @@ def test_deaths_with_no_progress_between_them_still_poison_the_job(r):
     plain = job("cccc00000000000000000003")
     assert [crash(r, plain).poisoned for _ in range(3)] == [0, 0, 1]
     assert json.loads(r.zrange("dead", -1, -1)[0])["error_message"] == "killed its worker process 3 times"
+
+
+@pytest.mark.timeout(60)
+def test_a_real_master_finishes_an_iterable_job_that_dies_past_poison_after_moving_on(
+        redis_url, r, tmp_path):
+    """--poison-after 2, end to end: a job whose child it SIGKILLs after each item, three
+    times, each time further on, ends done; one killed twice at the same cursor goes to
+    dead as poison."""
+    from helpers import wait_until
+    from test_supervisor import APPS, Master
+
+    def runs(tag):
+        return [x.decode().split()[1:] for x in r.lrange("itc:runs", 0, -1) if x.startswith(tag.encode())]
+
+    m = Master(redis_url, tmp_path / "m", processes=1, concurrency=1, app=APPS / "iterate_crash_jobs.py",
+               args=["--poison-after", "2", "--heartbeat-interval", "0.2"]).start()
+    try:
+        client = forkq.Client(redis_url)
+        steps = client.push("itc.steps", [4])
+
+        def ended():
+            m.check()
+            if r.zcard("dead"):
+                return "dead"
+            return len(runs("steps")) == 4 and r.get(iterate.PREFIX + steps) is None and "done"
+        assert wait_until(ended, timeout=30, interval=0.05, message="steps done or dead") == "done", (
+            f"{r.zrange('dead', 0, -1)}, runs {runs('steps')}")
+        got = runs("steps")
+        assert [c for c, _ in got] == ["0", "1", "2", "3"], "each run resumed after the last"
+        assert len({pid for _, pid in got}) == 4, "three deaths, each in another child"
+        assert r.zcard("dead") == 0 and r.llen(keys.suspects("default")) == 0
+        assert r.get(keys.CRASH_PREFIX + steps) is None, "its count went as it ended"
+
+        stuck = client.push("itc.stuck", [])
+        entry = wait_until(lambda: m.check() and r.zrange("dead", 0, -1), timeout=30, interval=0.05,
+                           message="stuck in dead")
+        dead = json.loads(entry[0])
+        assert dead["jid"] == stuck and dead["error_class"] == "forkq.PoisonJob"
+        assert dead["error_message"] == "killed its worker process 2 times without its checkpoint moving"
+        assert [c for c, _ in runs("stuck")] == ["None", "7"]
+    finally:
+        m.kill()
