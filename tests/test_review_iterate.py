@@ -309,3 +309,37 @@ def test_another_clients_payload_naming_cursor_goes_to_dead_at_once_whole(world,
     assert "kwargs name `cursor`" in dead["error_message"] and "it.walk" in dead["error_message"]
     assert dead["kwargs"] == {"cursor": 1} and dead["args"] == [3] and dead["jid"] == job["jid"]
     assert r.zcard("retry") == 0 and done == [], "no retry, and no item ran"
+
+
+@pytest.mark.timeout(20)
+def test_a_payload_naming_cursor_ends_its_lock_batch_result_and_death_handlers_as_dead_does(world, r):
+    """The way to dead an UnrunnablePayload takes, with dead=False and retry=False on the
+    payloads: a unique job's lock released, a batch job counted failed with fate dead, a
+    keep_result job's failure kept, and the death handlers run."""
+    from forkq import hooks, unique
+    deaths = []
+    hooks.ON_DEATH.append(lambda job, exc: deaths.append((job["jid"], type(exc).__name__)))
+    try:
+        jid = walk.options(unique_for=60, keep_result=60, dead=False, retry=False).enqueue(3)
+        batch = forkq.Batch(description="rev")  # a unique job cannot join one
+        with batch:
+            in_batch = walk.options(dead=False).enqueue(3)
+        # as another client would write them: `cursor` in kwargs, the lock taken for that
+        for i, raw in enumerate(r.lrange(f"queue:{QUEUE}", 0, -1)):
+            job = json.loads(raw)
+            job["kwargs"] = {"cursor": 2}
+            r.lset(f"queue:{QUEUE}", i, json.dumps(job))
+            if job["jid"] == jid:
+                lock = unique.lock_of(job)
+                r.set(lock, jid, ex=60)
+        world("test:1:revCurEnd0001")
+        wait_until(lambda: r.zcard("dead") == 2 and len(deaths) == 2, timeout=5, message="both dead")
+        assert sorted(deaths) == sorted([(jid, "UnrunnablePayload"), (in_batch, "UnrunnablePayload")])
+        assert r.get(lock) is None, "the lock released"
+        with pytest.raises(forkq.JobFailed, match="went to the dead set.*UnrunnablePayload"):
+            forkq.result(jid, timeout=3)
+        failures = forkq.batch_status(batch.bid).failures
+        assert list(failures) == [in_batch] and failures[in_batch]["fate"] == "dead"
+        assert done == []
+    finally:
+        hooks.ON_DEATH.pop()
