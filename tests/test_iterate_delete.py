@@ -69,12 +69,15 @@ def test_a_delete_all_finds_the_checkpoint_whatever_jid_the_args_name_first(r):
     """The text is searched for the job's jid, and the args come before it (as Sidekiq and
     forkq write a payload): a dict among them with a "jid" key of a job without a checkpoint
     hid the job's own, dropped with its entry and left for the 30-day TTL. Also a payload
-    written with spaces (`json.dumps`' default, a hand-written push), kept as written."""
-    for jid in ("s1", "s2", "q1", "q2"):
+    written with spaces (`json.dumps`' default, a hand-written push), kept as written, and
+    one whose jid is written with an escape (PHP escapes its slashes)."""
+    for jid in ("s1", "s2", "s/3", "q1", "q2"):
         point(r, jid)
     spaced = json.dumps({"class": "it.x", "queue": QUEUE, "args": [], "jid": "s2"}).encode()
-    r.zadd("dead", {entry("s1", {"jid": "gone"}): 1, spaced: 2, entry("plain", {"jid": "none"}): 3})
-    assert api.dead(r).clear() == 3 and r.zcard("dead") == 0
+    escaped = b'{"class":"it.x","queue":"itdel","args":[],"jid":"s\\/3"}'
+    r.zadd("dead", {entry("s1", {"jid": "gone"}): 1, spaced: 2, escaped: 3,
+                    entry("plain", {"jid": "none"}): 4})
+    assert api.dead(r).clear() == 4 and r.zcard("dead") == 0
     queue = api.Queue(r, QUEUE)
     spaced = json.dumps({"class": "it.x", "queue": QUEUE, "args": [], "jid": "q2"}).encode()
     r.lpush(f"queue:{QUEUE}", entry("q1", {"jid": "gone"}), spaced, entry("plain", {"jid": "none"}))

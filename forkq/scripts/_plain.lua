@@ -8,31 +8,57 @@ local function needs_ending(m)
 end
 
 -- Which of `members` may be an iterable job with a checkpoint (forkq:iter:JID), to be kept
--- for the caller too, which parses the jid and has forget.lua delete the checkpoint with
--- the entry: a set of their indices. The jid is read off the text, no decoding here: each
--- "jid" key's string value, with or without spaces around its colon. Every one is looked
--- up, not the first: the args come before the job's own jid (as forkq and Sidekiq write a
--- payload), and a dict among them with a "jid" of a job without a checkpoint hid the
--- job's. A "jid" in the args of a job with one costs only a parse; inside a string its
--- quotes are escaped, so it is not met. One MGET per 500 names.
+-- for the caller too, which has forget.lua delete the checkpoint with the entry: a set of
+-- their indices. One MGET per 500 members. The jid is read off the text, with or without
+-- spaces around its colon, when the text has one "jid" key; the args come before the
+-- job's own jid (as forkq and Sidekiq write a payload) and may hold dicts with a "jid" of
+-- their own (a chain's later steps do too), so a text with more than one, or with an
+-- escape in it, is decoded for its own: the first found hid the job's, left for its TTL,
+-- and looking up every one cost a page of jobs listing 200 jids each 1 s of Redis. Inside
+-- a string a "jid" has its quotes escaped, so it is not met.
+local function own_jid(m)
+  local jid, from = nil, 1
+  while true do
+    local _, b = string.find(m, '"jid"', from, true)
+    if not b then
+      break
+    end
+    local q = b + 2  -- ':"', as compact JSON has it, is not worth a pattern's time
+    if string.sub(m, b + 1, q) ~= ':"' then
+      _, q = string.find(m, '^%s*:%s*"', b + 1)
+    end
+    local e = q and string.find(m, '"', q + 1, true)
+    if e then
+      if jid then
+        jid = nil
+        break
+      end
+      jid = string.sub(m, q + 1, e - 1)
+      from = e + 1
+    else
+      from = b + 1
+    end
+  end
+  if jid and not string.find(jid, '\\', 1, true) then
+    return jid
+  end
+  if from == 1 then
+    return nil  -- no "jid" at all
+  end
+  local ok, decoded = pcall(cjson.decode, m)
+  if ok and type(decoded) == 'table' and type(decoded['jid']) == 'string' then
+    return decoded['jid']
+  end
+  return nil
+end
+
 local function checkpointed(members)
   local names, at, out = {}, {}, {}
   for i, m in ipairs(members) do
-    local from = 1
-    while true do
-      local _, b = string.find(m, '"jid"', from, true)
-      if not b then
-        break
-      end
-      local _, q = string.find(m, '^%s*:%s*"', b + 1)
-      local e = q and string.find(m, '"', q + 1, true)
-      if e then
-        names[#names + 1] = 'forkq:iter:' .. string.sub(m, q + 1, e - 1)
-        at[#names] = i
-        from = e + 1
-      else
-        from = b + 1
-      end
+    local jid = own_jid(m)
+    if jid then
+      names[#names + 1] = 'forkq:iter:' .. jid
+      at[#names] = i
     end
   end
   for s = 1, #names, 500 do
