@@ -104,7 +104,8 @@ def test_a_real_master_finishes_an_iterable_job_that_dies_past_poison_after_movi
         assert [c for c, _ in got] == ["0", "1", "2", "3"], "each run resumed after the last"
         assert len({pid for _, pid in got}) == 4, "three deaths, each in another child"
         assert r.zcard("dead") == 0 and r.llen(keys.suspects("default")) == 0
-        assert r.get(keys.CRASH_PREFIX + steps) is None, "its count went as it ended"
+        wait_until(lambda: r.get(keys.CRASH_PREFIX + steps) is None, timeout=5, interval=0.02,
+                   message="its crash count gone as it ended")
 
         stuck = client.push("itc.stuck", [])
         entry = wait_until(lambda: m.check() and r.zrange("dead", 0, -1), timeout=30, interval=0.05,
