@@ -277,14 +277,24 @@ def reexec(stop_pending: Callable[[], bool] | None = None) -> None:
     def hold(signum: int, frame: object) -> None:
         seen.append(signum)
 
-    def stopped() -> bool:  # the master's look first: it logs why it exits
-        return (stop_pending is not None and stop_pending()) or bool(seen)
-
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     # While the handlers run, a stop is only noted. The handler in place may raise (the
     # wait for a fixed edit's does): raised inside an atexit handler, the exception was
     # printed and dropped with the rest of that handler, and the stop lost
     before = {sig: signal.signal(sig, hold) for sig in STOP_SIGNALS}
+    # A handler may put a signal handler of its own in place of `hold` (restoring the one
+    # it found at import: Ctrl-C then raised KeyboardInterrupt in it, printed and dropped).
+    # A master's wakeup pipe sees such a stop all the same (stop_pending); without one (the
+    # wait for a fixed edit), a pipe of ours does: it is written whatever Python handler runs
+    woken = _wakeup_pipe()
+    closing = threading.Lock()  # the grace thread may look while the finally closes it
+
+    def stopped() -> bool:  # the master's look first: it logs why it exits
+        with closing:
+            if woken is not None:
+                seen.extend(_stops_in(woken[0]))
+        return (stop_pending is not None and stop_pending()) or bool(seen)
+
     cut_short = None
     try:
         if stopped():
@@ -313,8 +323,43 @@ def reexec(stop_pending: Callable[[], bool] | None = None) -> None:
         if cut_short is not None:
             cut_short.set()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a pending one: to `hold`
+        with closing:
+            if woken is not None:
+                signal.set_wakeup_fd(-1)
+                seen.extend(_stops_in(woken[0]))
+                for fd in woken:
+                    os.close(fd)
+                woken = None
         for sig, handler in before.items():
             if handler is not None:  # None: not set from Python, and cannot be put back
                 signal.signal(sig, handler)
         if seen:
             signal.raise_signal(seen[0])
+
+
+def _wakeup_pipe() -> tuple[int, int] | None:
+    """A non-blocking pipe made this process's signal wakeup fd, or None (and nothing
+    changed) when it has one already: a master's, which its stop_pending reads."""
+    r, w = os.pipe()  # not inherited: an exec closes it
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    old = signal.set_wakeup_fd(w)
+    if old != -1:
+        signal.set_wakeup_fd(old)
+        os.close(r)
+        os.close(w)
+        return None
+    return r, w
+
+
+def _stops_in(fd: int) -> list[int]:
+    """The stop signals a wakeup pipe carried since it was last read."""
+    found = []
+    while True:
+        try:
+            data = os.read(fd, 256)
+        except BlockingIOError:
+            return found
+        if not data:
+            return found
+        found += [signum for signum in data if signum in STOP_SIGNALS]

@@ -319,6 +319,41 @@ except cli.StoppedWhileStarting as exc:
 
 
 @pytest.mark.timeout(20)
+def test_a_stop_an_atexit_handler_takes_with_its_own_signal_handler_still_ends_the_wait(tmp_path):
+    """As above, but the handler puts a signal handler of its own in place of reexec's
+    (here Python's default SIGINT one: the Ctrl-C raises KeyboardInterrupt in it, which
+    atexit prints and drops). A master's wakeup pipe still saw such a stop; the wait for a
+    fix has none, and forkq started again. reexec now watches a wakeup pipe of its own when
+    the process has none, and raises the stop again for the wait's handler."""
+    script = tmp_path / "again.py"
+    script.write_text(f"""
+import atexit, os, signal, sys, time
+sys.path.insert(0, {str(REPO_ROOT)!r})
+from forkq import cli, reload
+if os.environ.get("ROUND") == "2":
+    print("again", flush=True)
+    sys.exit(0)
+os.environ["ROUND"] = "2"
+for sig in reload.STOP_SIGNALS:
+    signal.signal(sig, cli._stop_while_starting)  # as the wait for a fix has them
+
+def cleanup():  # an app's, restoring the SIGINT handler it found at import
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while it cleans up
+    time.sleep(0.2)
+
+atexit.register(cleanup)
+try:
+    reload.reexec()
+except cli.StoppedWhileStarting as exc:
+    print("stopped instead", exc, signal.getsignal(signal.SIGINT) is cli._stop_while_starting,
+          signal.set_wakeup_fd(-1), flush=True)
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=15)
+    assert out.stdout.splitlines() == ["stopped instead SIGINT True -1"], out
+
+
+@pytest.mark.timeout(20)
 def test_a_process_an_atexit_handler_starts_does_not_inherit_the_stop_signals_blocked(tmp_path):
     """reexec blocks TERM and INT around its last look and the exec, but runs the atexit
     handlers with them unblocked: a process a handler started inherited them blocked, and
