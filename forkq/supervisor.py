@@ -403,9 +403,10 @@ class Supervisor:
             # a reason only when the master retired it (memory, restart): a plain stop has none
             extra = {"reason": child.reason} if child.reason else {}
             log.info("child exited", slot=child.slot, child_pid=child.pid, how=how, **extra)
-        if self.state != "stopping" and child.stopping_since is None:
+        if self.state not in ("stopping", "failed") and child.stopping_since is None:
             # a crash (see above) or a child killed as hung; a retired child was counted
-            # as it was retired (count_restart), and a stop replaces nobody
+            # as it was retired (count_restart), and neither a stop nor a crash-loop
+            # give-up (whose kill_all ends a slot's booting try) replaces anybody
             self.count_restart(child.reason or "crash")
         if child.totals is not None:
             # what it ran since its last flush, counted with the requeue: a crash left it

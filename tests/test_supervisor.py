@@ -586,6 +586,52 @@ def test_a_crash_loop_makes_the_master_exit_with_one_clear_line(start_master, re
     assert all(_gone(p) for p in m.seen.values())
 
 
+@pytest.mark.timeout(10)
+def test_a_child_killed_as_the_master_gives_up_is_not_counted_as_a_restart(redis_url):
+    """forkq_child_restarts_total counts children replaced. At a crash-loop give-up the
+    master SIGKILLs what still runs (a slot's next try, booting) and replaces nothing:
+    that death is the master's doing, as a stop's are, and counts no crash. Before, each
+    such child added one to the crashes of "master stopped"."""
+    from forkq.settings import Settings
+    from forkq.supervisor import CRASH_LOOP_LIMIT, Supervisor
+    sup = Supervisor(Settings(processes=2, redis_url=redis_url))
+    sup.children.clear()
+    made: list = []
+
+    def child(slot: int):
+        made.extend(_pinging_children(sup, range(len(made), len(made) + 1)))
+        c, w, _ = made[-1]
+        c.slot = slot
+        return c, w
+
+    def failed_start(slot: int) -> None:
+        c, w = child(slot)
+        _ping(sup, c, w, b"E on_fork hook raised\n")
+        del sup.children[c.pid]
+        sup.child_exited(c, 1 << 8)  # exit 1, never ready
+
+    try:
+        for _ in range(CRASH_LOOP_LIMIT):
+            failed_start(1)
+        booting, _w = child(1)  # slot 1's next try, not ready yet
+        for _ in range(CRASH_LOOP_LIMIT):
+            failed_start(0)
+        assert sup.state == "failed"
+        assert sup.stats.restarts == {"crash": 2 * CRASH_LOOP_LIMIT}
+        del sup.children[booting.pid]
+        sup.child_exited(booting, signal.SIGKILL)  # the give-up's kill_all
+        assert sup.stats.restarts == {"crash": 2 * CRASH_LOOP_LIMIT}, "the give-up replaced nobody"
+    finally:
+        os.close(sup._sig_r)
+        os.close(sup._sig_w)
+        for c, report_w, control_r in made:
+            os.close(report_w)
+            os.close(control_r)
+            if c.pid in sup.children:
+                os.close(c.report_r)
+                os.close(c.control_w)
+
+
 # -- 10. slots -----------------------------------------------------------------------------------------
 
 
