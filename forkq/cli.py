@@ -614,10 +614,11 @@ def _wait_for_fix(settings: Settings, since: float, exc: BaseException | None,
     from .control import pidfile
     if watcher is None:
         watcher = reload.watcher_for(settings.require, since, failed=exc)
-    else:  # after a master ran: its signal traps go, a stop must end the wait
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _stop_while_starting)
+    # a stop must end the wait: the handlers of a master that ran go, and so do any the
+    # app's failed import put in place of start's (its own SIGTERM one only called it)
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_while_starting)
     sys.stderr.write(f"forkq: --reload: waiting for a change to the app's files "
                      f"({len(watcher)} watched) to start again\n")
     sys.stderr.flush()

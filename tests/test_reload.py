@@ -354,6 +354,37 @@ except cli.StoppedWhileStarting as exc:
 
 
 @pytest.mark.timeout(20)
+def test_a_broken_app_that_trapped_term_at_import_does_not_keep_the_wait_for_a_fix_from_stopping(tmp_path):
+    """An app that sets a SIGTERM handler of its own at import (a graceful shutdown for its
+    service) and then fails to import: waiting for a fix, forkq must still end on `forkq
+    ctl stop`. The wait put its stop handlers back only after a master had run; after a
+    failed import the app's stayed, and TERM only called it."""
+    (tmp_path / "jobs.py").write_text(
+        "import signal\n"
+        "signal.signal(signal.SIGTERM, lambda *a: print('app handler', flush=True))\n"
+        "raise RuntimeError('broken edit')\n")
+    out = tmp_path / "out.log"
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
+    with open(out, "ab") as sink:
+        proc = subprocess.Popen(forkq_command("start", "--reload", "--require", "jobs.py",
+                                              "--pidfile", str(tmp_path / "forkq.pid")),
+                                env=env, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=sink,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: "waiting for a change" in out.read_text(), timeout=15,
+                   message="the wait after the broken import")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(5) == 0, out.read_text()
+        assert "app handler" not in out.read_text()
+        assert "stop requested while starting" in out.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
+@pytest.mark.timeout(20)
 def test_a_process_an_atexit_handler_starts_does_not_inherit_the_stop_signals_blocked(tmp_path):
     """reexec blocks TERM and INT around its last look and the exec, but runs the atexit
     handlers with them unblocked: a process a handler started inherited them blocked, and
