@@ -306,3 +306,46 @@ def test_hups_rolling_restart_skips_a_child_just_killed_as_hung():
         assert not sup.all_up()
     finally:
         _close(sup, made)
+
+
+@pytest.mark.timeout(10)
+def test_a_requeue_redis_put_off_has_the_slots_new_child_beat_once_it_is_done(redis_url):
+    """A child died holding a job while Redis was down: its requeue is put off, and its
+    slot gets a replacement meanwhile, which beat (and found no suspects) before the job
+    went back. Once the requeue is done, that replacement, the slot's child now, is told
+    to beat at once (settings.BEAT_NOW) to learn of the suspect; the other slot's child is
+    not, and the dead child's slot is forgotten (Supervisor.dead_slots)."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    import forkq
+    from forkq import keys
+    from forkq.fetch import ReliableFetch
+    from forkq.queues import QueueOrder
+    from forkq.settings import BEAT_NOW
+    from helpers import free_port
+    sup = Supervisor(Settings(processes=2, redis_url=redis_url))
+    made = _pinging_children(sup, range(3))
+    (dead, _, _), (_, _, other_control), (new, _, new_control) = made
+    del sup.children[new.pid]  # forked below, into the slot the dead child leaves
+    held = ReliableFetch(redis.Redis.from_url(redis_url), dead.identity, QueueOrder([("default", 0)]))
+    held.register()
+    forkq.Client(redis_url).push("Any", [1])
+    assert len(held.fetch(1)) == 1  # in flight in the child about to die
+    try:
+        sup._redis = redis.Redis(port=free_port(), retry=Retry(NoBackoff(), 0))  # Redis down
+        del sup.children[dead.pid]
+        sup.child_exited(dead, signal.SIGKILL)
+        assert sup.pending_requeue == [(dead.identity, True)] and sup.dead_slots == {dead.identity: 0}
+        new.slot = 0
+        sup.children[new.pid] = new
+        sup._redis, sup._requeue_retry_at = None, 0.0  # Redis back
+        assert sup.requeue_pending() == {dead.identity: (1, 0)}
+        r = redis.Redis.from_url(redis_url)
+        assert r.llen(keys.SUSPECTS_PREFIX + "default") == 1
+        assert _commands(new_control) == bytes([BEAT_NOW]) and _commands(other_control) == b""
+        assert sup.pending_requeue == [] and sup.dead_slots == {}
+    finally:
+        held.redis.close()
+        _close(sup, made)
