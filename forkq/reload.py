@@ -20,6 +20,7 @@ terminal's Ctrl-C stay the same. The caller stops its workers first, the normal 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import site
@@ -309,9 +310,11 @@ def reexec(stop_pending: Callable[[], bool] | None = None) -> None:
         # and with the stop signals unblocked, as at an exit: a process a handler starts
         # inherits the mask, and one started with them blocked ignored TERM and Ctrl-C
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        _forks_in_handlers(True)
         try:
             atexit._run_exitfuncs()
         finally:
+            _forks_in_handlers(False)
             signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         # a stop sent while the handlers ran: `hold` saw it, or, taken by a thread of the
         # app's, the master's trap wrote it to its self-pipe, read by stop_pending
@@ -335,6 +338,51 @@ def reexec(stop_pending: Callable[[], bool] | None = None) -> None:
                 signal.signal(sig, handler)
         if seen:
             signal.raise_signal(seen[0])
+
+
+_in_handlers = False   # reexec is running the app's atexit handlers
+_fork_hooks = False    # the hooks below are registered (once: a hook stays for good)
+_forking = threading.local()  # the forking thread's mask, while it forks
+
+
+def _forks_in_handlers(running: bool) -> None:
+    global _in_handlers, _fork_hooks
+    if not _fork_hooks:
+        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork,
+                            after_in_child=_plain_after_fork)
+        _fork_hooks = True
+    _in_handlers = running
+
+
+def _before_fork() -> None:
+    # blocked across the fork: a stop sent to the new process before its hook has run
+    # waits for the handling that hook gives it, instead of meeting `hold`
+    if _in_handlers:
+        _forking.mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def _after_fork() -> None:
+    mask = getattr(_forking, "mask", None)
+    if mask is not None:
+        _forking.mask = None
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _plain_after_fork() -> None:
+    """In a process forked while the atexit handlers run (multiprocessing's fork start
+    method): a plain Python process's stop signals. It kept `hold`, which only notes a stop
+    (terminate() did nothing: it outlived the handler, orphaned), and the wakeup fd, a pipe
+    it shares with forkq's process: its own TERM read there as a stop of forkq's, which
+    exited instead of starting again."""
+    global _in_handlers
+    if not _in_handlers:
+        return
+    _in_handlers = False
+    with contextlib.suppress(ValueError):
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    _after_fork()  # a stop sent meanwhile ends it now, as by default
 
 
 def _wakeup_pipe() -> tuple[int, int] | None:

@@ -385,6 +385,62 @@ def test_a_broken_app_that_trapped_term_at_import_does_not_keep_the_wait_for_a_f
 
 
 @pytest.mark.timeout(20)
+@pytest.mark.parametrize("wakeup", ["master", "wait"])
+def test_a_process_an_atexit_handler_forks_can_be_terminated_and_is_no_stop_of_forkqs(tmp_path, wakeup):
+    """A process forked while the handlers run (multiprocessing's fork start method) kept
+    reexec's `hold` as its TERM handler, so terminate() did nothing, and the wakeup pipe, so
+    the TERM it got was written to forkq's: a master (`master`: its self-pipe) or the wait
+    for a fix (`wait`: reexec's own pipe) took it for a stop and exited instead of starting
+    again. Such a fork gets a plain Python process's signal handling."""
+    script = tmp_path / "again.py"
+    script.write_text(f"""
+import atexit, multiprocessing, os, signal, sys, time
+sys.path.insert(0, {str(REPO_ROOT)!r})
+from forkq import cli, reload
+if os.environ.get("ROUND") == "2":
+    print("again", flush=True)
+    sys.exit(0)
+os.environ["ROUND"] = "2"
+stop_pending = None
+if {wakeup!r} == "master":
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w)  # the master's traps, as Supervisor.run sets them
+    for sig in reload.STOP_SIGNALS:
+        signal.signal(sig, lambda *a: None)
+
+    def stop_pending():
+        try:
+            return bool(set(os.read(r, 256)) & set(reload.STOP_SIGNALS))
+        except BlockingIOError:
+            return False
+else:
+    for sig in reload.STOP_SIGNALS:
+        signal.signal(sig, cli._stop_while_starting)  # as the wait for a fix has them
+
+def cleanup():  # an app's, doing its last work in a process of its own
+    p = multiprocessing.get_context("fork").Process(target=time.sleep, args=(10,))
+    p.start()
+    p.terminate()  # at once: before its at-fork hooks, maybe
+    p.join(1)
+    print("fork ended", p.exitcode, flush=True)
+    if p.exitcode is None:
+        p.kill()
+
+atexit.register(cleanup)
+reload.ATEXIT_GRACE_S = 10  # the handler ends first, either way
+try:
+    reload.reexec(stop_pending)
+    print("stopped instead", flush=True)
+except cli.StoppedWhileStarting as exc:
+    print("stopped instead", exc, flush=True)
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=15)
+    assert out.stdout.splitlines() == [f"fork ended {-signal.SIGTERM}", "again"], out
+
+
+@pytest.mark.timeout(20)
 def test_a_process_an_atexit_handler_starts_does_not_inherit_the_stop_signals_blocked(tmp_path):
     """reexec blocks TERM and INT around its last look and the exec, but runs the atexit
     handlers with them unblocked: a process a handler started inherited them blocked, and
