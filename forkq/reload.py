@@ -387,16 +387,19 @@ def _plain_after_fork() -> None:
 
 def _wakeup_pipe() -> tuple[int, int] | None:
     """A non-blocking pipe made this process's signal wakeup fd, or None (and nothing
-    changed) when it has one already: a master's, which its stop_pending reads."""
-    r, w = os.pipe()  # not inherited: an exec closes it
-    os.set_blocking(r, False)
-    os.set_blocking(w, False)
-    old = signal.set_wakeup_fd(w)
+    changed) when it has one already (a master's, which its stop_pending reads) or no
+    pipe can be had (`hold` alone notes a stop then)."""
+    old = signal.set_wakeup_fd(-1)
     if old != -1:
         signal.set_wakeup_fd(old)
-        os.close(r)
-        os.close(w)
         return None
+    try:
+        r, w = os.pipe()  # not inherited: an exec closes it
+    except OSError:
+        return None
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w)
     return r, w
 
 
