@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -23,6 +24,44 @@ from forkq import cli, reload
 from helpers import forkq_command, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- reexec, in a script that runs it and then, exec'd, runs again ---------------------------
+
+# a master's traps, as Supervisor.run sets them: stop signals go to a self-pipe, read by
+# stop_pending (what reexec is given)
+MASTER_TRAPS = """
+r, w = os.pipe()
+os.set_blocking(r, False)
+os.set_blocking(w, False)
+signal.set_wakeup_fd(w)
+for sig in reload.STOP_SIGNALS:
+    signal.signal(sig, lambda *a: None)
+
+def stop_pending():
+    try:
+        return bool(set(os.read(r, 256)) & set(reload.STOP_SIGNALS))
+    except BlockingIOError:
+        return False
+"""
+
+
+def _reexec_twice(tmp_path: Path, first: str, again: str = 'print("again", flush=True)',
+                  **run: object) -> subprocess.CompletedProcess:
+    """Run a script whose first run does `first` (which calls reload.reexec) and whose
+    exec'd run does `again` and exits."""
+    script = tmp_path / "again.py"
+    script.write_text(
+        "import atexit, multiprocessing, os, signal, subprocess, sys, threading, time\n"
+        f"sys.path.insert(0, {str(REPO_ROOT)!r})\n"
+        "from forkq import cli, reload\n"
+        'if os.environ.get("ROUND") == "2":\n'
+        + textwrap.indent(textwrap.dedent(again).strip("\n"), "    ") + "\n"
+        "    sys.exit(0)\n"
+        'os.environ["ROUND"] = "2"\n'
+        + textwrap.dedent(first))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=15, **run)
 
 
 # -- the watcher -----------------------------------------------------------------------------
@@ -161,25 +200,18 @@ def test_an_atexit_handler_that_hangs_holds_the_reexec_only_as_long_as_an_exit_w
     """reexec runs the app's atexit handlers, which an exec would skip; one that hangs gets
     the grace an exit gives (shortened here) and the process execs without it, same pid,
     the stop signals still blocked for the new run's handlers to take."""
-    script = tmp_path / "again.py"
-    script.write_text(f"""
-import atexit, os, signal, sys, time
-sys.path.insert(0, {str(REPO_ROOT)!r})
-from forkq import reload
-if os.environ.get("ROUND") == "2":
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    print("again", os.getpid(), sorted(int(s) for s in blocked & set(reload.STOP_SIGNALS)),
-          flush=True)
-    sys.exit(0)
-os.environ["ROUND"] = "2"
+    started = time.monotonic()
+    out = _reexec_twice(tmp_path, '''
 atexit.register(lambda: print("handler ran", flush=True))
 atexit.register(lambda: time.sleep(60))  # runs first: handlers run last registered first
 reload.ATEXIT_GRACE_S = 0.5
 print("first", os.getpid(), flush=True)
 reload.reexec()
-""")
-    started = time.monotonic()
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=15)
+''', again='''
+blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+print("again", os.getpid(), sorted(int(s) for s in blocked & set(reload.STOP_SIGNALS)),
+      flush=True)
+''')
     took = time.monotonic() - started
     lines = out.stdout.splitlines()
     pid = lines[0].split()[1]
@@ -197,22 +229,14 @@ def test_the_atexit_handlers_run_where_the_app_left_the_process_and_the_exec_whe
     starts where forkq began. Before, reexec went back to the start directory first, and
     the handlers ran there."""
     (tmp_path / "app").mkdir()
-    script = tmp_path / "again.py"
-    script.write_text(f"""
-import atexit, os, sys
-sys.path.insert(0, {str(REPO_ROOT)!r})
-from forkq import reload
-if os.environ.get("ROUND") == "2":
-    print("again", os.getcwd(), flush=True)
-    sys.exit(0)
-os.environ["ROUND"] = "2"
+    out = _reexec_twice(tmp_path, '''
 reload.remember_start()
 os.chdir("app")  # the app, at import
 atexit.register(lambda: print("handler", os.getcwd(), flush=True))
 reload.reexec()
-""")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=15,
-                         cwd=tmp_path)
+''', again='''
+print("again", os.getcwd(), flush=True)
+''', cwd=tmp_path)
     assert out.stdout.splitlines() == [f"handler {tmp_path / 'app'}", f"again {tmp_path}"], out
 
 
@@ -222,33 +246,14 @@ def test_a_stop_that_an_apps_thread_takes_during_the_atexit_handlers_cancels_the
     atexit handlers run goes to a thread of the app's, and the master's trap writes it to
     the self-pipe. Before, nothing read it again: the stop was lost and the master started
     again. Now reexec looks once more after the handlers and returns (the master exits)."""
-    script = tmp_path / "again.py"
-    script.write_text(f"""
-import atexit, os, signal, sys, threading, time
-sys.path.insert(0, {str(REPO_ROOT)!r})
-from forkq import reload
-if os.environ.get("ROUND") == "2":
-    print("again", flush=True)
-    sys.exit(0)
-os.environ["ROUND"] = "2"
-r, w = os.pipe()
-os.set_blocking(r, False)
-os.set_blocking(w, False)
-signal.set_wakeup_fd(w)  # the master's traps, as Supervisor.run sets them
-signal.signal(signal.SIGTERM, lambda *a: None)
+    out = _reexec_twice(tmp_path, f'''
+{MASTER_TRAPS}
 threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # the app's thread
-
-def stop_pending():
-    try:
-        return signal.SIGTERM in os.read(r, 256)
-    except BlockingIOError:
-        return False
 
 atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.2)))  # ctl stop
 reload.reexec(stop_pending)
 print("stopped instead", flush=True)
-""")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=15)
+''')
     assert out.stdout.splitlines() == ["stopped instead"], out
 
 
@@ -257,33 +262,16 @@ def test_a_stop_taken_during_a_hanging_atexit_handler_is_pending_in_the_new_run(
     """As above, but the handler hangs: the grace thread execs in its place, and the stop
     the app's thread took is pending (blocked) in the new run, which cli.start turns into
     an exit, instead of lost."""
-    script = tmp_path / "again.py"
-    script.write_text(f"""
-import atexit, os, signal, sys, threading, time
-sys.path.insert(0, {str(REPO_ROOT)!r})
-from forkq import reload
-if os.environ.get("ROUND") == "2":
-    print("again", sorted(int(s) for s in signal.sigpending()), flush=True)
-    sys.exit(0)
-os.environ["ROUND"] = "2"
-r, w = os.pipe()
-os.set_blocking(r, False)
-os.set_blocking(w, False)
-signal.set_wakeup_fd(w)
-signal.signal(signal.SIGTERM, lambda *a: None)
-threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
-
-def stop_pending():
-    try:
-        return signal.SIGTERM in os.read(r, 256)
-    except BlockingIOError:
-        return False
+    out = _reexec_twice(tmp_path, f'''
+{MASTER_TRAPS}
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # the app's thread
 
 reload.ATEXIT_GRACE_S = 0.5
 atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(60)))
 reload.reexec(stop_pending)
-""")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=15)
+''', again='''
+print("again", sorted(int(s) for s in signal.sigpending()), flush=True)
+''')
     assert out.stdout.splitlines()[-1:] == [f"again {[int(signal.SIGTERM)]}"], out
 
 
@@ -294,15 +282,7 @@ def test_a_stop_during_the_atexit_handlers_ends_the_wait_for_a_fix_instead_of_re
     raised inside a handler, where atexit prints an exception and drops it: the stop was
     lost and forkq started again. Now it is noted, the handlers run on, and it is raised
     again for the wait's own handler once they are done: forkq exits."""
-    script = tmp_path / "again.py"
-    script.write_text(f"""
-import atexit, os, signal, sys, threading, time
-sys.path.insert(0, {str(REPO_ROOT)!r})
-from forkq import cli, reload
-if os.environ.get("ROUND") == "2":
-    print("again", flush=True)
-    sys.exit(0)
-os.environ["ROUND"] = "2"
+    out = _reexec_twice(tmp_path, '''
 for sig in reload.STOP_SIGNALS:
     signal.signal(sig, cli._stop_while_starting)  # as the wait for a fix has them
 threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # the app's thread
@@ -312,8 +292,7 @@ try:
     reload.reexec()
 except cli.StoppedWhileStarting as exc:
     print("stopped instead", exc, flush=True)
-""")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=15)
+''')
     assert out.stdout.splitlines() == ["last handler ran", "stopped instead SIGTERM"], out
     assert "Exception ignored" not in out.stderr, out
 
@@ -325,15 +304,7 @@ def test_a_stop_an_atexit_handler_takes_with_its_own_signal_handler_still_ends_t
     atexit prints and drops). A master's wakeup pipe still saw such a stop; the wait for a
     fix has none, and forkq started again. reexec now watches a wakeup pipe of its own when
     the process has none, and raises the stop again for the wait's handler."""
-    script = tmp_path / "again.py"
-    script.write_text(f"""
-import atexit, os, signal, sys, time
-sys.path.insert(0, {str(REPO_ROOT)!r})
-from forkq import cli, reload
-if os.environ.get("ROUND") == "2":
-    print("again", flush=True)
-    sys.exit(0)
-os.environ["ROUND"] = "2"
+    out = _reexec_twice(tmp_path, '''
 for sig in reload.STOP_SIGNALS:
     signal.signal(sig, cli._stop_while_starting)  # as the wait for a fix has them
 
@@ -348,8 +319,7 @@ try:
 except cli.StoppedWhileStarting as exc:
     print("stopped instead", exc, signal.getsignal(signal.SIGINT) is cli._stop_while_starting,
           signal.set_wakeup_fd(-1), flush=True)
-""")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=15)
+''')
     assert out.stdout.splitlines() == ["stopped instead SIGINT True -1"], out
 
 
@@ -392,29 +362,10 @@ def test_a_process_an_atexit_handler_forks_can_be_terminated_and_is_no_stop_of_f
     the TERM it got was written to forkq's: a master (`master`: its self-pipe) or the wait
     for a fix (`wait`: reexec's own pipe) took it for a stop and exited instead of starting
     again. Such a fork gets a plain Python process's signal handling."""
-    script = tmp_path / "again.py"
-    script.write_text(f"""
-import atexit, multiprocessing, os, signal, sys, time
-sys.path.insert(0, {str(REPO_ROOT)!r})
-from forkq import cli, reload
-if os.environ.get("ROUND") == "2":
-    print("again", flush=True)
-    sys.exit(0)
-os.environ["ROUND"] = "2"
+    out = _reexec_twice(tmp_path, f'''
 stop_pending = None
 if {wakeup!r} == "master":
-    r, w = os.pipe()
-    os.set_blocking(r, False)
-    os.set_blocking(w, False)
-    signal.set_wakeup_fd(w)  # the master's traps, as Supervisor.run sets them
-    for sig in reload.STOP_SIGNALS:
-        signal.signal(sig, lambda *a: None)
-
-    def stop_pending():
-        try:
-            return bool(set(os.read(r, 256)) & set(reload.STOP_SIGNALS))
-        except BlockingIOError:
-            return False
+{textwrap.indent(MASTER_TRAPS, "    ")}
 else:
     for sig in reload.STOP_SIGNALS:
         signal.signal(sig, cli._stop_while_starting)  # as the wait for a fix has them
@@ -435,8 +386,7 @@ try:
     print("stopped instead", flush=True)
 except cli.StoppedWhileStarting as exc:
     print("stopped instead", exc, flush=True)
-""")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=15)
+''')
     assert out.stdout.splitlines() == [f"fork ended {-signal.SIGTERM}", "again"], out
 
 
@@ -445,20 +395,11 @@ def test_a_process_an_atexit_handler_starts_does_not_inherit_the_stop_signals_bl
     """reexec blocks TERM and INT around its last look and the exec, but runs the atexit
     handlers with them unblocked: a process a handler started inherited them blocked, and
     ignored `kill` and Ctrl-C for as long as it ran."""
-    script = tmp_path / "again.py"
-    script.write_text(f"""
-import atexit, os, subprocess, sys
-sys.path.insert(0, {str(REPO_ROOT)!r})
-from forkq import reload
-if os.environ.get("ROUND") == "2":
-    print("again", flush=True)
-    sys.exit(0)
-os.environ["ROUND"] = "2"
+    out = _reexec_twice(tmp_path, '''
 SHOW = "import signal; print('blocked', sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))"
 atexit.register(lambda: subprocess.run([sys.executable, "-c", SHOW]))
 reload.reexec()
-""")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=15)
+''')
     assert out.stdout.splitlines() == ["blocked []", "again"], out
 
 
