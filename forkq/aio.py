@@ -163,7 +163,7 @@ class _Run:
         self.done.release()
 
 
-def runner(fn: Callable[..., Coroutine[Any, Any, Any]], limited: bool) -> Callable[..., Any]:
+def runner(fn: Callable[..., Any], limited: bool) -> Callable[..., Any]:
     """What a worker calls for the async def `fn`: a plain function that runs its
     coroutine on this process's loop and returns its result or raises its exception.
     `fn` may be a decorator's plain wrapper around an async def: what it returns is the

@@ -6,7 +6,7 @@ import inspect
 import time
 from collections.abc import Callable, Iterable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 
 import redis
 
@@ -24,11 +24,16 @@ REGISTRY: dict[str, "Job"] = {}
 RetryIn = Callable[[int, BaseException], "float | int | str | None"]
 Exhausted = Callable[[dict, BaseException], None]
 
+# A job's parameters and return type, so a user's type checker checks `enqueue(...)`
+# against the function's own signature (forkq ships py.typed)
+P = ParamSpec("P")
+R = TypeVar("R")
 
-class Enqueuer:
+
+class Enqueuer(Generic[P]):
     """Pushes one job kind with fixed options; `Job.options(...)` returns one."""
 
-    def __init__(self, job: "Job", client: Client | None = None, **options: Any) -> None:
+    def __init__(self, job: "Job[P, Any]", client: Client | None = None, **options: Any) -> None:
         self.job = job
         self._client = client
         self.options = payload.check_options(unique.check(options))
@@ -69,15 +74,15 @@ class Enqueuer:
         return Step(self, args, kwargs)
 
     # self positional-only, as the time of enqueue_in: a job's own `self` goes to the job
-    def enqueue(self, /, *args: Any, **kwargs: Any) -> str | None:
+    def enqueue(self, /, *args: P.args, **kwargs: P.kwargs) -> str | None:
         jids = self._push(args, kwargs, None)
         return jids[0] if jids else None
 
-    def enqueue_in(self, seconds: float, /, *args: Any, **kwargs: Any) -> str | None:
+    def enqueue_in(self, seconds: float, /, *args: P.args, **kwargs: P.kwargs) -> str | None:
         jids = self._push(args, kwargs, time.time() + seconds)
         return jids[0] if jids else None
 
-    def enqueue_at(self, when: float | datetime, /, *args: Any, **kwargs: Any) -> str | None:
+    def enqueue_at(self, when: float | datetime, /, *args: P.args, **kwargs: P.kwargs) -> str | None:
         jids = self._push(args, kwargs, epoch(when))
         return jids[0] if jids else None
 
@@ -128,14 +133,15 @@ def _one_queue_refused(exc: BaseException, jobs: list[dict[str, Any]]) -> bool:
     return isinstance(exc, redis.ResponseError) and len({j["queue"] for j in jobs}) == 1
 
 
-class Job:
+class Job(Generic[P, R]):
     """A function registered as a job. Calling it runs it here; `enqueue` runs it later."""
 
-    def __init__(self, fn: Callable[..., Any], name: str, queue: str, retry: bool | int,
+    def __init__(self, fn: Callable[P, R], name: str, queue: str, retry: bool | int,
                  backtrace: bool | int, retry_in: RetryIn | None, retries_exhausted: Exhausted | None,
                  client: Client | None, options: dict[str, Any], time_limit: float | None = None,
                  iterable: bool = False) -> None:
-        self.fn = fn
+        # what a worker calls (see below), the function itself or a runner around it
+        self.fn: Callable[..., Any] = fn
         self.name = name
         self.queue = queue
         self.retry = retry
@@ -208,14 +214,14 @@ class Job:
         except TypeError as exc:
             raise TypeError(f"{self.name} cannot be called with these arguments: {exc}") from None
 
-    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: P.args, **kwargs: P.kwargs) -> R:
         # the function as written: an async def job's call returns its coroutine
         return self.__wrapped__(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<forkq.Job {self.name} queue={self.queue}>"
 
-    def options(self, **overrides: Any) -> Enqueuer:
+    def options(self, **overrides: Any) -> Enqueuer[P]:
         """An enqueuer with per-call overrides, e.g. `options(queue="low", retry=3)`."""
         if "time_limit" in overrides:
             raise TypeError(f"{self.name}: time_limit is set by @forkq.job only; the workers enforce "
@@ -232,14 +238,14 @@ class Job:
         opts.update(self.extra)
         return opts
 
-    def _default(self) -> Enqueuer:
+    def _default(self) -> Enqueuer[P]:
         # built once: a job's options are fixed at decoration, and enqueue is a hot path
         enqueuer = self.__dict__.get("_enqueuer")
         if enqueuer is None:
             enqueuer = self._enqueuer = self.options()
         return enqueuer
 
-    def enqueue(self, /, *args: Any, **kwargs: Any) -> str | None:
+    def enqueue(self, /, *args: P.args, **kwargs: P.kwargs) -> str | None:
         return self._default().enqueue(*args, **kwargs)
 
     def call(self, /, *args: Any, **kwargs: Any) -> "Step":
@@ -247,10 +253,10 @@ class Job:
         nothing by itself (calling the job itself runs it here)."""
         return self._default().call(*args, **kwargs)
 
-    def enqueue_in(self, seconds: float, /, *args: Any, **kwargs: Any) -> str | None:
+    def enqueue_in(self, seconds: float, /, *args: P.args, **kwargs: P.kwargs) -> str | None:
         return self._default().enqueue_in(seconds, *args, **kwargs)
 
-    def enqueue_at(self, when: float | datetime, /, *args: Any, **kwargs: Any) -> str | None:
+    def enqueue_at(self, when: float | datetime, /, *args: P.args, **kwargs: P.kwargs) -> str | None:
         return self._default().enqueue_at(when, *args, **kwargs)
 
     def enqueue_many(self, args_list: Iterable[Any], batch_size: int = 1000) -> list[str]:
@@ -273,6 +279,19 @@ class Job:
     def retries_exhausted(self, hook: Exhausted) -> Exhausted:
         self.exhausted_hook = hook
         return hook
+
+
+@overload
+def job(fn: Callable[P, R]) -> Job[P, R]: ...
+
+
+@overload
+def job(fn: None = None, *, queue: str = "default", retry: bool | int = True,
+        name: str | None = None, backtrace: bool | int = False, retry_in: RetryIn | None = None,
+        retries_exhausted: Exhausted | None = None, client: Client | None = None,
+        time_limit: float | None = None, unique_for: float | None = None,
+        unique_until: str = "success", keep_result: float | None = None, iterable: bool = False,
+        **options: Any) -> Callable[[Callable[P, R]], Job[P, R]]: ...
 
 
 def job(fn: Callable[..., Any] | None = None, *, queue: str = "default", retry: bool | int = True,
@@ -309,7 +328,7 @@ def job(fn: Callable[..., Any] | None = None, *, queue: str = "default", retry: 
         options["keep_result"] = keep_result
     unique.check(options)
 
-    def register(f: Callable[..., Any]) -> Job:
+    def register(f: Callable[..., Any]) -> Job[..., Any]:
         jname = name or f"{f.__module__}.{f.__qualname__}"
         if iterable:
             from . import iterate
