@@ -87,7 +87,8 @@ class Batch:
         # new, open, sealed, abandoned, unsealed (the seal failed), or reopened (see
         # current_batch: entered and left any number of times, writing nothing itself)
         self._state = "new"
-        self._token: contextvars.Token | None = None
+        # one per `with` still open: a reopened batch may be entered inside its own `with`
+        self._tokens: list[contextvars.Token[Batch | None]] = []
 
     def __repr__(self) -> str:
         return f"<forkq.Batch {self.bid} {self._state}>"
@@ -132,7 +133,7 @@ class Batch:
     def __enter__(self) -> "Batch":
         outer = _open.get()
         if self._state == "reopened" and (outer is None or outer.bid == self.bid):
-            self._token = _open.set(self)
+            self._tokens.append(_open.set(self))
             return self
         if self._state not in ("new", "reopened"):
             raise RuntimeError(f"batch {self.bid} is {self._state}: a batch is opened once")
@@ -146,12 +147,11 @@ class Batch:
                 args=[self.bid, self.description, repr(time.time()), keys.BATCHES_MAX,
                       repr(random.random())])
         self._state = "open"
-        self._token = _open.set(self)
+        self._tokens.append(_open.set(self))
         return self
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
-        _open.reset(self._token)
-        self._token = None
+        _open.reset(self._tokens.pop())
         if self._state == "reopened":
             return  # sealed long ago: what was pushed joined it, error or not
         if kind is None:

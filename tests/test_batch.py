@@ -1025,3 +1025,15 @@ def test_a_listing_misses_no_batch_when_another_drops_expired_entries_meanwhile(
     assert [b.bid for b in found] == tied[::5] and not found.more
     found = batch_mod.recent(r, limit=30, states=["abandoned"], look_at=100)
     assert [b.bid for b in found] == tied[:100:5] and found.more and found.looked_at == 100
+
+
+def test_a_reopened_batch_entered_inside_its_own_with_leaves_both(client):
+    """A helper that enters the job's batch inside a `with` of that same object: the inner
+    exit forgot the outer's token, and the outer exit raised TypeError (Token, got None)."""
+    reopened = batch_mod.Batch()
+    reopened._state = "reopened"  # as current_batch() makes it
+    with reopened:
+        with reopened:
+            assert batch_mod.joining() is reopened
+        assert batch_mod.joining() is reopened
+    assert batch_mod.joining() is None
