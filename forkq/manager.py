@@ -24,7 +24,7 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -100,7 +100,7 @@ class Handoff:
         self._watcher: threading.Lock | None = None  # the bell of the sleeper on watch
         self._puts = 0
 
-    def put_many(self, units: list[Unit | None], lazy: bool = False) -> None:
+    def put_many(self, units: Sequence[Unit | None], lazy: bool = False) -> None:
         with self._lock:
             self._units.extend(units)
             self._puts += 1
@@ -279,7 +279,7 @@ class Manager:
     def busy(self) -> int:
         return sum(1 for p in self.processors if p.current is not None)
 
-    def running(self) -> list[tuple[int, tuple[str, bytes, float]]]:
+    def running(self) -> list[tuple[int, tuple[str, bytes, float, Any, str]]]:
         return [(p.index, cur) for p in self.processors if (cur := p.current) is not None]
 
     def counts(self) -> tuple[int, int]:
