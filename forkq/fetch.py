@@ -334,7 +334,7 @@ class ReliableFetch:
 
     def _take_after(self, limit: int = 1000) -> list[After]:
         after = self._after
-        out = []
+        out: list[After] = []
         while after and len(out) < limit:
             out.append(after.popleft())
         return out
@@ -356,7 +356,7 @@ class ReliableFetch:
 
     def _take_acks(self, limit: int) -> list[str]:
         acks = self._acks
-        out = []
+        out: list[str] = []
         while acks and len(out) < limit:
             out.append(acks.popleft())
         return out
