@@ -409,7 +409,7 @@ class Client:
             self._redis = connect(self.url, **self._options)
             self._pushers = _Pushers(self._redis)
             self._pid = os.getpid()
-        return self._pushers
+        return self._pushers  # type: ignore[return-value]  # set with _redis just above
 
     def push(self, name: str, args: Iterable[Any] = (), *, queue: str = "default",
              retry: bool | int = True, at: float | datetime | None = None,
@@ -476,7 +476,7 @@ class Client:
             commands = [("ZADD", keys.SCHEDULE, *scored)]
             self._send_joined(commands, joining, jobs, run_at)
             return [j["jid"] for j in jobs]
-        by_queue: dict[str, list[str]] = {}
+        by_queue: dict[str, list[bytes | str]] = {}
         for j in jobs:
             j["enqueued_at"] = now
             by_queue.setdefault(j["queue"], []).append(encode(j))
@@ -495,7 +495,7 @@ class Client:
         job together (scripts/unique_push.lua). Jobs without uniqueness go in the same call,
         in order, so a mixed batch keeps its order on the queue."""
         later = run_at is not None and run_at > now
-        delay = run_at - now if later else 0.0
+        delay = run_at - now if later else 0.0  # type: ignore[operator]  # later: run_at is set
         argv: list[Any] = []
         for j in jobs:
             q = j.get("queue", "default") if later else j["queue"]  # as the plain path reads it
@@ -513,7 +513,7 @@ class Client:
 
     def _through_middleware(self, job: dict[str, Any]) -> dict[str, Any] | None:
         for mw in self.middleware:
-            job = mw(job)
+            job = mw(job)  # type: ignore[assignment]  # None returns at once, below
             if job is None:
                 return None
         return job
