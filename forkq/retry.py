@@ -158,7 +158,7 @@ def _retry_for_over(job: dict[str, Any], now: float) -> bool | None:
     if type(limit) not in (int, float) or first is None:
         return None
     try:
-        closes = first + limit
+        closes = first + limit  # type: ignore[operator]  # limit is a number (checked above)
     except OverflowError:  # an int past float's range
         closes = math.inf
     if not math.isfinite(closes):
@@ -296,8 +296,8 @@ class Outcomes:
             write(token)
         except (redis.ConnectionError, redis.TimeoutError):
             raise  # the same plan is written when the caller tries again
-        except BaseException as exc:
-            if not writes_refused(exc):  # refused for now: tried again as after an outage
+        except BaseException as write_exc:  # not `exc`: the job's, read below
+            if not writes_refused(write_exc):  # refused for now: tried again as after an outage
                 self._plans.pop(token, None)
             raise
         self._plans.pop(token, None)
@@ -358,7 +358,7 @@ class Outcomes:
             if decision == "discard":
                 return self._ending("discarded", drop, keep, exc)
             if decision != "kill":
-                at = now + min(decision, MAX_DELAY_S)
+                at = now + min(decision, MAX_DELAY_S)  # type: ignore[operator]  # the str ones are above
                 return "retry", lambda token, client=None: self.to_retry(job, token, at, client)
         elif jobdef is not None and jobdef.exhausted_hook is not None:
             try:
