@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from . import __version__, config, keys, logs
 from .errors import ConfigError
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one readable line, exit 2, no usage dump
+    def error(self, message: str) -> NoReturn:  # one readable line, exit 2, no usage dump
         command = self.prog.split(" ", 1)[1] + " " if " " in self.prog else ""
         # argparse echoes what it could not use: a Redis URL given where none is taken
         from .masking import mask_text
@@ -554,8 +554,8 @@ def _start(settings: Settings) -> int:
             "(give --require the module or .py file that defines them)", require=settings.require)
     for line in config.unread_env():
         logs.get("forkq").warning(line)
-    if line := config.ignored_redis_url(settings.redis_url):
-        logs.get("forkq").warning(line)
+    if ignored := config.ignored_redis_url(settings.redis_url):
+        logs.get("forkq").warning(ignored)
     try:
         from . import client
         client.connect(settings.redis_url)  # validates the URL before anything forks
