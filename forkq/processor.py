@@ -184,7 +184,7 @@ class Processor:
             if acked.__class__ is bool:
                 self.manager.done(unit.token if acked else None)
             else:  # its after-success actions (a unique lock, a batch) go with its ack
-                self.manager.done(unit.token, acked)
+                self.manager.done(unit.token, acked)  # type: ignore[arg-type]  # a tuple: bool is above
 
     def _fault(self, unit: Unit, exc: BaseException) -> bool:
         """A fault in forkq's own handling of a job, outside the job's code: record it as
@@ -246,7 +246,8 @@ class Processor:
                 chains.ended(job, "expired")
             return True if lock is None else lock  # dropped unrun: acknowledged as done
         if "forkq_chain" in job:  # the one test a job of no chain pays
-            keep = chains.Next(keep, after)
+            # _perform tells a Next from a (jid, TTL) by its class, as mypy cannot
+            keep = chains.Next(keep, after)  # type: ignore[assignment]
         jobdef = lookup(name)
         self.progress = None  # the last job's, before this one shows as running
         self.current = (unit.queue, unit.raw, time.time(), job.get("jid"), unit.token)
