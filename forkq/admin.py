@@ -10,7 +10,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from . import config
@@ -241,7 +241,7 @@ def _strict(data: object) -> object:
     return root[0]
 
 
-def _table(header: list[str], rows: list[list[object]], right: Collection[int] = ()) -> list[str]:
+def _table(header: list[str], rows: Sequence[Sequence[object]], right: Collection[int] = ()) -> list[str]:
     """Columns as wide as their widest cell; numbers right-aligned, text left-aligned.
     `right` names columns of numbers given as text (formatted, or "<20") to align as numbers."""
     cells = [[str(c) for c in header]] + [["-" if c is None else _printable(str(c)) for c in row]
