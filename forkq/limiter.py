@@ -195,6 +195,7 @@ class Lease:
             return False
         self._released = True
         limiter = self.limiter
+        assert limiter is not None  # the None lease of forkq.testing is released from the start
         try:
             # only this lease's own token: a lapsed lease re-taken by another holder has
             # that holder's token, which this never removes
