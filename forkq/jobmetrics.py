@@ -342,8 +342,9 @@ def read(conn: Any, minutes: int = 60, klass: str | None = None,
                     name, _, metric = _text(field).rpartition("|")
                     parsed = fields[field] = (name, metric) if name and metric in ("p", "f", "ms") else None
                 if parsed is not None:
-                    entry(parsed[0])[parsed[1]][i] += _int(value)
-    rows = []
+                    # (never the False of .get: replaced just above)
+                    entry(parsed[0])[parsed[1]][i] += _int(value)  # type: ignore[index]
+    rows: list[dict[str, Any]] = []
     written: dict[int, str] = {}  # id(row) -> its class as written, for its histogram keys
     for name, s in series.items():
         p, f, ms = sum(s["p"]), sum(s["f"]), sum(s["ms"])
