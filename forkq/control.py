@@ -7,7 +7,6 @@ import contextlib
 import json
 import math
 import os
-import signal
 import socket
 import tempfile
 import time
@@ -251,12 +250,12 @@ def children_of(master_pid: int, conn: redis.Redis) -> list[dict[str, Any]]:
             rss_mb = child.memory_info().rss / 1_048_576
         except psutil.Error:
             continue
-        hb = by_pid.get(child.pid)
-        rows.append({"pid": child.pid, "slot": hb["info"].get("slot") if hb else None,
-                     "busy": hb["busy"] if hb else None,
-                     "concurrency": hb["info"].get("concurrency") if hb else None,
-                     "quiet": hb["quiet"] if hb else None, "rss_mb": rss_mb,
-                     "beat_age": hb["beat_age"] if hb else None})
+        beat = by_pid.get(child.pid)
+        rows.append({"pid": child.pid, "slot": beat["info"].get("slot") if beat else None,
+                     "busy": beat["busy"] if beat else None,
+                     "concurrency": beat["info"].get("concurrency") if beat else None,
+                     "quiet": beat["quiet"] if beat else None, "rss_mb": rss_mb,
+                     "beat_age": beat["beat_age"] if beat else None})
     return sorted(rows, key=lambda r: (r["slot"] is None, r["slot"] or 0, r["pid"]))
 
 
