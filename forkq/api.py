@@ -18,7 +18,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Self
@@ -172,7 +172,8 @@ class Queue(_List):
     def _entry(self, raw: bytes, index: float, size: int) -> "Queued":
         return Queued.of(raw, index, size - 1 - int(index))
 
-    def page(self, offset: int, count: int, next_first: bool = False) -> list[Queued]:
+    def page(self, offset: int, count: int, next_first: bool = False  # type: ignore[override]
+             ) -> list[Queued]:  # (its _entry makes Queued ones)
         """As _List.page, each entry with its `position` (0 runs next) as read."""
         return super().page(offset, count, next_first)  # type: ignore[return-value]
 
@@ -248,7 +249,7 @@ class Queue(_List):
             flush()
         return done
 
-    def delete(self, entries: "list[Entry] | bytes") -> int:
+    def delete(self, entries: "Sequence[Entry] | bytes") -> int:
         """Remove jobs read from this queue (its pages, entries(), find()), ending each as a
         job leaving for good ends (see _forget): a unique job's lock released, a batch job
         counted as failed. Returns how many were removed: a job a worker took meanwhile is
@@ -396,7 +397,7 @@ class RunningJob:
     progress: Progress | None = None
 
 
-def _running_entry(identity: str, thread: bytes, raw: bytes) -> RunningJob:
+def _running_entry(identity: str, thread: bytes, raw: bytes | str) -> RunningJob:
     """One `IDENTITY:workers` value. Sidekiq 6.4 and forkq store the payload as a JSON
     string; later Sidekiqs may store it as an object: accept both."""
     try:
@@ -776,7 +777,8 @@ class Suspects(_List):
     def _entry(self, raw: bytes, index: float, size: int) -> "Suspect":
         return Suspect.of(raw, index)
 
-    def page(self, offset: int, count: int, next_first: bool = True) -> list[Suspect]:
+    def page(self, offset: int, count: int, next_first: bool = True  # type: ignore[override]
+             ) -> list[Suspect]:  # (its _entry makes Suspect ones)
         """`count` suspects from `offset`, counted from the next to run (or with next_first
         False from the newest), with their crash counts: one MGET after the page."""
         out: list[Suspect] = super().page(offset, count, next_first)  # type: ignore[assignment]
