@@ -258,8 +258,7 @@ class Collector:
         return []  # registering must not call collect(), which reads Redis
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                            HistogramMetricFamily)
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
         jobs = sorted(self.agg.jobs.items())
         processed = CounterMetricFamily("forkq_jobs_processed", "Jobs run (succeeded or failed), by class and queue",
                                         labels=["class", "queue"])
