@@ -1,7 +1,7 @@
 """forkq's exception types: what a user may catch, each named for what went wrong."""
 
 
-def _rebuilt(cls: type, args: tuple, state: dict) -> BaseException:
+def _rebuilt(cls: type[BaseException], args: tuple, state: dict) -> BaseException:
     exc = cls.__new__(cls)
     exc.args = args
     exc.__dict__.update(state)
