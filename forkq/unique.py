@@ -59,7 +59,7 @@ def check(options: dict[str, Any]) -> dict[str, Any]:
 def wanted(job: dict[str, Any]) -> bool:
     """Whether a payload about to be pushed asks for uniqueness; raises as check() does for
     values it cannot mean (a client middleware or Client.push may have put them there)."""
-    opts = {k: job[k] for k in ("unique_for", "unique_until") if k in job}
+    opts: dict[str, Any] = {k: job[k] for k in ("unique_for", "unique_until") if k in job}
     return "unique_for" in check(opts)
 
 
@@ -84,7 +84,7 @@ def lock_of(job: dict[str, Any]) -> str | None:
     """The lock key a payload's push took, from the payload alone; None when it carries
     nothing usable (a payload from another client may hold anything). `unique_queue` is
     the queue it was pushed to, kept when a retry moved it to its `retry_queue`."""
-    seconds = job.get("unique_for")
+    seconds: Any = job.get("unique_for")  # a number past the type() test, as mypy cannot see
     if type(seconds) not in (int, float) or not seconds > 0:
         return None
     queue = job.get("unique_queue", job.get("queue"))
