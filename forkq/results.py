@@ -49,6 +49,7 @@ _landed = threading.Condition()
 def target(job: dict[str, Any]) -> tuple[str, int] | None:
     """(jid, TTL in ms) under which a payload's outcome is to be kept; None when it asks
     for none, or carries nothing usable (a payload from another client may hold anything)."""
+    seconds: Any  # a number past the type() test, which mypy does not narrow by
     seconds, jid = job.get("keep_result"), job.get("jid")
     if type(seconds) not in (int, float) or not 0 < seconds <= MAX_S or type(jid) is not str or not jid:
         return None
