@@ -15,7 +15,7 @@ import math
 import numbers
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from . import logs
 
@@ -150,7 +150,7 @@ class Progress:
         return dict(asdict(self), percent=self.percent(), description=self.describe())
 
 
-def _finite(value: Any) -> bool:
+def _finite(value: Any) -> TypeGuard[int | float]:
     # an int is compared as it is: math.isfinite() raises for one past a float's range
     return (type(value) is int and value >= 0) or (type(value) is float and 0 <= value < _INF)
 
