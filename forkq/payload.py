@@ -36,7 +36,7 @@ def _decode(raw: bytes | str) -> Any:
     escapes, UTF-16) and would round long integers: those go to json.loads, so what a
     payload means and how a bad one is reported stay exactly json's."""
     if (_LONG_RUN not in raw.translate(_DIGITS_TO_ZERO) if type(raw) is bytes
-            else _LONG_NUMBER(raw) is None):
+            else _LONG_NUMBER(raw) is None):  # type: ignore[arg-type]  # a str here
         try:
             return _fast_decode(raw)
         except _FastDecodeError:
