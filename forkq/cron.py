@@ -138,7 +138,8 @@ class Schedule:
         if local.fold:
             # the second pass of a repeated hour: the wall times still ahead in it were
             # real (in their first pass) before now, so they are due times before now
-            wall += local.replace(fold=0).utcoffset() - local.utcoffset()
+            # (never None: self.tz is a ZoneInfo, so `local` is aware)
+            wall += local.replace(fold=0).utcoffset() - local.utcoffset()  # type: ignore[operator]
         return self._first(CronSim(self.fields, wall + timedelta(seconds=1), reverse=True),
                            lambda due: due <= t)
 
