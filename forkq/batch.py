@@ -195,7 +195,8 @@ class Batch:
         from . import client as client_module
         for event in ("on_complete", "on_success"):
             if event in self._callbacks:
-                client_module.test_push([("LPUSH", "queue:" + self._callbacks[event][1],
+                # (test_push is set: _seal called this because it is)
+                client_module.test_push([("LPUSH", "queue:" + self._callbacks[event][1],  # type: ignore[misc]
                                           self._callbacks[event][0])])
 
     # -- joining pushes -----------------------------------------------------------------
@@ -591,7 +592,7 @@ def _summary(raw: bytes, score: float, fields: dict[str, str | None], pending: i
              failed: int) -> BatchSummary:
     def number(name: str) -> float | None:
         try:
-            return float(fields[name]) if fields[name] is not None else None
+            return float(fields[name]) if fields[name] is not None else None  # type: ignore[arg-type]
         except ValueError:  # not forkq's writing: shown as missing, not a failed listing
             return None
     created_at = number("created_at")
