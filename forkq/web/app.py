@@ -121,10 +121,11 @@ class Dashboard:
             ("GET", "/jobs/"): lambda r, jid: views.job_by_jid(self, r, jid),
         }
         for slug in views.SETS:
-            self.routes[("GET", f"/{slug}")] = lambda r, s=slug: views.set_page(self, r, s)
-            self.routes[("POST", f"/{slug}/action")] = lambda r, s=slug: views.set_action(self, r, s)
+            # (mypy cannot infer a lambda with a default: the dicts' annotations say it all)
+            self.routes[("GET", f"/{slug}")] = lambda r, s=slug: views.set_page(self, r, s)  # type: ignore[misc]
+            self.routes[("POST", f"/{slug}/action")] = lambda r, s=slug: views.set_action(self, r, s)  # type: ignore[misc]
             self.param_routes[("GET", f"/{slug}/")] = \
-                lambda r, k, s=slug: views.job_page(self, r, s, k)
+                lambda r, k, s=slug: views.job_page(self, r, s, k)  # type: ignore[misc]
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -193,7 +194,7 @@ class Dashboard:
         for (m, prefix), view in self.param_routes.items():
             if path.startswith(prefix) and len(path) > len(prefix):
                 if m == method:
-                    return lambda r, rest=path[len(prefix):], view=view: view(r, rest)
+                    return lambda r, rest=path[len(prefix):], view=view: view(r, rest)  # type: ignore[misc]
         if any(path.startswith(p) and len(path) > len(p) for _, p in self.param_routes):
             return lambda r: Response.text("method not allowed\n", "405 Method Not Allowed")
         return None
