@@ -375,7 +375,7 @@ def job_page(dash: "Dashboard", req: Request, slug: str, key: str) -> Response:
                                    "retried, deleted or moved since that link was made.")
     job = entry.job or {}
     lines, problem = backtrace(job.get("error_backtrace"))
-    args = job.get("args") if isinstance(job.get("args"), list) else []
+    args = job["args"] if isinstance(job.get("args"), list) else []
     kwargs = list(job["kwargs"].items()) if isinstance(job.get("kwargs"), dict) else []
     extras = sorted((k, v) for k, v in job.items() if k not in SHOWN)
     return dash.render(req, "job.html", slug=slug, title=title, entry=entry, job=job, key=key,
