@@ -26,11 +26,14 @@ from typing import Any, Self
 import redis
 
 from . import batch, client, control, jobprogress, keys, payload, scripts, unique
-from .pause import Pause, pause, paused, resume, wait_honoured  # noqa: F401  (the API)
-from .cancel import Location, Outcome, cancel, cancel_many, locate  # noqa: F401  (the API)
+# (`X as X`: re-exported, for a type checker with no_implicit_reexport, as mypy --strict)
+from .pause import Pause as Pause, pause as pause, paused as paused, resume as resume  # noqa: F401
+from .pause import wait_honoured as wait_honoured  # noqa: F401  (the API)
+from .cancel import Location as Location, Outcome as Outcome, cancel as cancel  # noqa: F401
+from .cancel import cancel_many as cancel_many, locate as locate  # noqa: F401  (the API)
 from .errors import MalformedPayload
 from .fetch import crash_id
-from .jobprogress import Progress  # noqa: F401  (the API)
+from .jobprogress import Progress as Progress  # noqa: F401  (the API)
 from .retry import MALFORMED_CLASS
 
 DEFAULT_PAGE = 500

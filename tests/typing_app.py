@@ -11,6 +11,7 @@ from typing import Any
 
 import forkq
 import forkq.api
+import forkq.limiter
 import forkq.testing
 
 
@@ -33,6 +34,29 @@ def export(table: str, cursor: int | None = None) -> Iterator[int]:
 async def fetch(url: str) -> bytes:
     await asyncio.sleep(0)
     return url.encode()
+
+
+@send_welcome.retry_in
+def backoff(count: int, exc: BaseException) -> float | str | None:
+    return "kill" if isinstance(exc, KeyError) else 10.0 * (count + 1)
+
+
+@send_welcome.retries_exhausted
+def gave_up(job: dict[str, Any], exc: BaseException) -> None:
+    print(job["jid"], exc)
+
+
+payments = forkq.limiter.concurrent("payments", 5)
+
+
+@forkq.job(time_limit=30, unique_for=600)
+def charge(order_id: int) -> None:
+    job = forkq.current_job()
+    if job is not None:
+        print(job["jid"])
+    forkq.progress(1, 2, note="charging")
+    with payments.acquire():
+        pass
 
 
 def good_calls(client: forkq.Client) -> None:
@@ -74,6 +98,9 @@ def good_calls(client: forkq.Client) -> None:
     conn = forkq.api.connect("redis://localhost:6399/0")
     sizes: list[forkq.api.QueueInfo] = forkq.api.queues(conn)
     dead: int = forkq.api.dead(conn).size()
+    forkq.api.pause(conn, "mail", reason="maintenance")
+    outcome = forkq.api.cancel(conn, jid or "", reason="duplicate")
+    print(outcome)
     print(jid, jids, ok, text, pushed, many, value, chained, status, calls, sizes, dead)
 
 
