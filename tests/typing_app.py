@@ -59,6 +59,15 @@ def charge(order_id: int) -> None:
         pass
 
 
+@forkq.job()
+def ping() -> None: ...
+
+
+def push_any(job: forkq.Job[..., Any], *args: Any) -> str | None:
+    """A helper over any job: the call is checked at run time only."""
+    return job.options(queue="low").enqueue(*args)
+
+
 def good_calls(client: forkq.Client) -> None:
     jid: str | None = send_welcome.enqueue(42)
     send_welcome.enqueue(42, locale="fr")
@@ -69,6 +78,8 @@ def good_calls(client: forkq.Client) -> None:
     render.options(queue="low", retry=0).enqueue("x", 2)
     render.options(client=client).enqueue_in(1.5, "x")
     export.enqueue("users")
+    ping.enqueue()
+    push_any(render, "x", 2)
     ok: bool = send_welcome(1)
     text: str = render("x", 2)
     reveal_type(send_welcome)  # R: forkq.jobs.Job[[user_id: int, *, locale: str =], bool]
