@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import redis
@@ -35,6 +35,9 @@ from cronsim import CronSim, CronSimError
 from . import keys, logs, payload, scripts
 from .errors import ConfigError
 from .fetch import refusal, writes_refused
+
+if TYPE_CHECKING:
+    from .jobs import Job
 
 log = logs.get("forkq.cron")
 
@@ -224,7 +227,7 @@ class Entry:
 ENTRIES: dict[str, Entry] = {}
 
 
-def periodic(expression: str, job: Any, args: list | tuple = (), *, name: str | None = None,
+def periodic(expression: str, job: Job[..., Any] | str, args: list | tuple = (), *, name: str | None = None,
              tz: str | ZoneInfo = "UTC", queue: str | None = None, retry: bool | int | None = None,
              max_delay: float | None = None, kwargs: dict[str, Any] | None = None,
              **options: Any) -> Entry:
