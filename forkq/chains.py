@@ -166,7 +166,7 @@ class Chain:
         return jids
 
 
-def chain(*steps: Any, pass_result: bool = False) -> Chain:
+def chain(*steps: Step, pass_result: bool = False) -> Chain:
     """A chain of job calls, each run once the one before it succeeded:
 
         forkq.chain(fetch.call(url), parse.call(), store.call(table="x")).enqueue()

@@ -100,6 +100,7 @@ def good_calls(client: forkq.Client) -> None:
         render.enqueue("in a batch")
     status: forkq.BatchStatus | None = forkq.batch_status(b.bid, client=other)
     forkq.periodic("*/5 * * * *", render, ["tick"], tz="Europe/Paris")
+    forkq.periodic("@daily", "Ruby::Nightly", name="nightly")
     with forkq.testing.fake() as jobs:
         send_welcome.enqueue(3)
         calls: list[list[Any]] = jobs.args(send_welcome)
@@ -123,6 +124,8 @@ def bad_calls() -> None:
     render.enqueue()  # E: call-arg
     render.options(queue="low").enqueue("x", "2")  # E: arg-type
     render.enqueue_at(1.7e9, 3)  # E: arg-type
+    forkq.chain(forkq.call("a"))  # E: arg-type
+    forkq.periodic("* * * * *", render.call("x"))  # E: arg-type
     send_welcome("1")  # E: arg-type
     jid: int = send_welcome.enqueue(1)  # E: assignment
     print(jid)
