@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import redis
 
     from .client import Client
-    from .jobs import Enqueuer, Job
+    from .jobs import Enqueuer, Job, P
 
 PREFIX = keys.BATCH_PREFIX
 # A batch's keys live this long after its latest job ended (refreshed at most once a day),
@@ -99,11 +99,11 @@ class Batch:
         return self._client or default_client()
 
     # -- callbacks ----------------------------------------------------------------------
-    def on_success(self, job: "Job | Enqueuer", /, *args: Any, **kwargs: Any) -> "Batch":
+    def on_success(self, job: "Job[P, Any] | Enqueuer[P]", /, *args: P.args, **kwargs: P.kwargs) -> "Batch":
         """Push job(*args, **kwargs) once every job of the batch has succeeded (retries included)."""
         return self._callback("on_success", job, args, kwargs)
 
-    def on_complete(self, job: "Job | Enqueuer", /, *args: Any, **kwargs: Any) -> "Batch":
+    def on_complete(self, job: "Job[P, Any] | Enqueuer[P]", /, *args: P.args, **kwargs: P.kwargs) -> "Batch":
         """Push job(*args, **kwargs) once every job of the batch has succeeded or failed at least once."""
         return self._callback("on_complete", job, args, kwargs)
 

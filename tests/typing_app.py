@@ -97,6 +97,7 @@ def good_calls(client: forkq.Client) -> None:
     chained: list[str] = forkq.chain(render.call("a"), send_welcome.call(1)).enqueue()
     with forkq.Batch("import", client=other) as b:
         b.on_success(send_welcome, 1)
+        b.on_complete(render.options(queue="low"), "done", count=2)
         render.enqueue("in a batch")
     status: forkq.BatchStatus | None = forkq.batch_status(b.bid, client=other)
     forkq.periodic("*/5 * * * *", render, ["tick"], tz="Europe/Paris")
@@ -125,6 +126,7 @@ def bad_calls() -> None:
     render.options(queue="low").enqueue("x", "2")  # E: arg-type
     render.enqueue_at(1.7e9, 3)  # E: arg-type
     forkq.chain(forkq.call("a"))  # E: arg-type
+    forkq.Batch().on_success(send_welcome, "1")  # E: arg-type
     forkq.periodic("* * * * *", render.call("x"))  # E: arg-type
     send_welcome("1")  # E: arg-type
     jid: int = send_welcome.enqueue(1)  # E: assignment
