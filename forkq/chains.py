@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+import redis
+
 from . import batch, keys, logs, payload, results, scripts
 from .errors import MalformedPayload
 from .retry import MALFORMED_CLASS, MALFORMED_QUEUE, dead_entry_for_malformed
@@ -324,7 +326,7 @@ def advance(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[st
         key = stored(rest)
         if key is not None:
             chain = (key, "keep")
-        nxt = next_payload(rest, value, now, lambda k, i: manager.write(outcomes.redis.lindex, k, i))
+        nxt = next_payload(rest, value, now, lambda k, i: _lindex(manager, outcomes, k, i))
         raw = encode(nxt)
     except (Broken, ValueError) as exc:
         return _bury(manager, outcomes, unit, job, rest, str(exc), step.keep, element, after,
@@ -354,6 +356,17 @@ def advance(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[st
                     "pushed already, or is pushed when it runs again", jid=job.get("jid"))
         return "gone"
     return "next"
+
+
+def _lindex(manager: "Manager", outcomes: "Outcomes", key: str, index: int) -> Any:
+    """A stored chain's step, an outage ridden out; raise Broken if its key holds no list
+    (raised on, the step would stay in flight and run again at each restart, forever)."""
+    try:
+        return manager.write(outcomes.redis.lindex, key, index)
+    except redis.ResponseError as exc:
+        if not str(exc).startswith("WRONGTYPE"):
+            raise
+        raise Broken(f"{key} holds something other than a list of the chain's steps") from None
 
 
 def _after_step(job: dict[str, Any]) -> str:

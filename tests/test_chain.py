@@ -485,6 +485,20 @@ def test_a_reference_outside_forkq_chain_keys_is_broken_and_that_key_untouched(c
     assert entry["error_class"] == "forkq.ChainBroken"
     assert "neither a non-empty list of job payloads nor a reference" in entry["error_message"]
 
+def test_a_stored_chain_s_key_holding_no_list_parks_the_continuation_not_the_step(
+        client, r, worker, monkeypatch):
+    """LINDEX on it raised WRONGTYPE out of the worker's continuation: the step that
+    succeeded stayed in flight, to run again at each restart, its next step never pushed."""
+    monkeypatch.setattr(chains, "INLINE_BYTES", 0)
+    jids = forkq.chain(step.call("a"), step.call("b")).enqueue()
+    r.delete(keys.chain(jids[0]))
+    r.set(keys.chain(jids[0]), "not a list")
+    run_one(worker)
+    assert calls == [["a"]] and inflight(r, worker) == 0 and queued(r, "cq") == []
+    (entry,) = dead(r)
+    assert entry["error_class"] == "forkq.ChainBroken"
+    assert f"{keys.chain(jids[0])} holds something other than a list" in entry["error_message"]
+
 
 def _sup_job(name: str, fn):
     return forkq.jobs.lookup(name) or forkq.job(name=name, retry=0)(fn)
