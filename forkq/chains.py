@@ -331,17 +331,18 @@ def advance(manager: "Manager", outcomes: "Outcomes", unit: "Unit", job: dict[st
     except (Broken, ValueError) as exc:
         return _bury(manager, outcomes, unit, job, rest, str(exc), step.keep, element, after,
                      now, chain)
+    # its last step pushed, or parked in dead whole, nothing reads the list again
+    if chain and FIELD not in nxt:
+        chain = (chain[0], "del")
     try:
         queue = destination(nxt)
     except Unroutable as exc:
         return _park(manager, outcomes, unit, job, nxt, "forkq.ChainBroken",
                      f"{_after_step(job)} cannot go on: {exc}", step.keep, element, after, now,
                      chain)
-    # its last step pushed, nothing reads the list again
-    push_chain = (chain[0], "del") if chain and FIELD not in nxt else chain
     done = manager.write(_write, outcomes, unit.token, step.keep, element,
                          [keys.QUEUES, keys.queue(queue)], ["push", queue, raw, 0, 0], after,
-                         push_chain)
+                         chain)
     if isinstance(done, bytes):  # the type of what the queue's key holds: not a list
         # as the scheduler parks a due job there (move_due.lua), to be retried once fixed
         why = (f"{keys.queue(queue)} holds a {done.decode()}, not a list: the next step of a "

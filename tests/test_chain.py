@@ -485,6 +485,25 @@ def test_a_reference_outside_forkq_chain_keys_is_broken_and_that_key_untouched(c
     assert entry["error_class"] == "forkq.ChainBroken"
     assert "neither a non-empty list of job payloads nor a reference" in entry["error_message"]
 
+def test_a_stored_chain_s_last_step_parked_in_dead_takes_the_list_with_it(
+        client, r, worker, monkeypatch):
+    """A last step parked in dead for its destination carries its whole payload and no
+    reference, yet its list was kept (renewed) for 210 days that nothing would read it.
+    A middle step parked so keeps it, for a retry from dead to go on."""
+    monkeypatch.setattr(chains, "INLINE_BYTES", 0)
+    r.set("queue:elsewhere", "x")
+    elsewhere = step.options(queue="elsewhere")
+    ends = forkq.chain(step.call("a"), step.call("b"), elsewhere.call("c")).enqueue()
+    run_one(worker)
+    run_one(worker)
+    (last,) = dead(r)
+    assert last["jid"] == ends[2] and last["error_class"] == "forkq.QueueNotAList"
+    assert "forkq_chain" not in last and not r.exists(keys.chain(ends[0]))
+    middle = forkq.chain(step.call("x"), elsewhere.call("y"), step.call("z")).enqueue()
+    run_one(worker)
+    assert len(dead(r)) == 2 and r.ttl(keys.chain(middle[0])) > 60
+
+
 def test_a_stored_chain_s_key_holding_no_list_parks_the_continuation_not_the_step(
         client, r, worker, monkeypatch):
     """LINDEX on it raised WRONGTYPE out of the worker's continuation: the step that
