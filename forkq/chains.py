@@ -164,8 +164,26 @@ class Chain:
                 client._send([("MULTI",), ("DEL", key), ("RPUSH", key, *raws),
                               ("PEXPIRE", key, ttl_ms), ("EXEC",)])
                 first[FIELD] = {"key": key, "next": 0, "steps": len(later)}
+                try:
+                    client.push_jobs([first], at=at, middleware=False)
+                except Exception as exc:
+                    # a first step surely not pushed (a queue key holding no list, Redis
+                    # gone): nothing reads the list, which would stay CHAIN_TTL_S, once
+                    # for each try of a producer that tries again
+                    if not getattr(exc, "maybe_pushed", False):
+                        _forget(client, key)
+                    raise
+                return jids
         client.push_jobs([first], at=at, middleware=False)
         return jids
+
+
+def _forget(client: Any, key: str) -> None:
+    try:
+        client._send([("DEL", key)])
+    except Exception as exc:  # the push's own error is the one to raise
+        log.warning("could not delete the steps of a chain whose first step was not pushed; "
+                    "they expire", key=key, error=f"{type(exc).__name__}: {exc}")
 
 
 def chain(*steps: Step, pass_result: bool = False) -> Chain:

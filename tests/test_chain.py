@@ -485,6 +485,7 @@ def test_a_reference_outside_forkq_chain_keys_is_broken_and_that_key_untouched(c
     assert entry["error_class"] == "forkq.ChainBroken"
     assert "neither a non-empty list of job payloads nor a reference" in entry["error_message"]
 
+
 def test_a_stored_chain_s_last_step_parked_in_dead_takes_the_list_with_it(
         client, r, worker, monkeypatch):
     """A last step parked in dead for its destination carries its whole payload and no
@@ -517,6 +518,20 @@ def test_a_stored_chain_s_key_holding_no_list_parks_the_continuation_not_the_ste
     (entry,) = dead(r)
     assert entry["error_class"] == "forkq.ChainBroken"
     assert f"{keys.chain(jids[0])} holds something other than a list" in entry["error_message"]
+
+
+def test_a_long_chain_whose_first_push_fails_leaves_no_list(client, r, monkeypatch):
+    """The list is written before the first step's push; a push that surely failed left it
+    for 210 days, one more for each try of a producer that tries again."""
+    monkeypatch.setattr(chains, "INLINE_BYTES", 0)
+    r.set("queue:cq", "x")
+    for _ in range(2):
+        with pytest.raises(Exception, match="WRONGTYPE"):
+            forkq.chain(step.call("a"), step.call("b")).enqueue()
+    assert r.keys("forkq:chain:*") == []
+    r.delete("queue:cq")
+    jids = forkq.chain(step.call("a"), step.call("b")).enqueue()
+    assert r.exists(keys.chain(jids[0]))
 
 
 def _sup_job(name: str, fn):
