@@ -534,6 +534,33 @@ def test_a_long_chain_whose_first_push_fails_leaves_no_list(client, r, monkeypat
     assert r.exists(keys.chain(jids[0]))
 
 
+def test_deleting_a_stored_chain_s_step_for_good_deletes_its_list(client, r, monkeypatch):
+    """A long chain's later steps are in a list only its live step reads: deleting that
+    step (a queue's delete or clear, a sorted set's delete or clear, by the CLI, the API
+    or the dashboard) left the list for 210 days, 8 KB and more each, a cleared queue of
+    them gigabytes. Each goes with the entry it was deleted with; other chains' stay."""
+    monkeypatch.setattr(chains, "INLINE_BYTES", 0)
+    at = time.time() + 3600
+
+    def pushed(n, later=None):
+        made = [forkq.chain(step.call(f"{i}"), step.call("b")) for i in range(n)]
+        return [keys.chain((c.enqueue() if later is None else c.enqueue_at(later))[0]) for c in made]
+
+    def listed(names):
+        return sum(r.exists(k) for k in names)
+
+    by_jid, cleared = pushed(1), pushed(3)
+    queue = api.Queue(r, "cq")
+    (entry,) = [e for e in queue.entries() if keys.chain(e.jid) == by_jid[0]]
+    assert queue.delete([entry]) == 1 and listed(by_jid) == 0 and listed(cleared) == 3
+    assert queue.clear() == 3 and listed(cleared) == 0
+    scheduled = pushed(3, later=at)
+    schedule = api.schedule(r)
+    assert schedule.delete(schedule.page(0)[:1]) == 1 and listed(scheduled) == 2
+    assert schedule.clear() == 2 and listed(scheduled) == 0
+    assert r.keys("forkq:chain:*") == [] and r.llen("queue:cq") == 0
+
+
 def _sup_job(name: str, fn):
     return forkq.jobs.lookup(name) or forkq.job(name=name, retry=0)(fn)
 

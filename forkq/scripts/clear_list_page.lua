@@ -9,13 +9,14 @@
 -- KEYS[1] the queue, ARGV[1] how many entries to take
 -- Returns {entries taken, entries dropped, the queue's length after, how many of those
 -- dropped carried the rest of a chain (a non-empty forkq_chain: its later steps will not
--- run, which the operator is told), then the entries put back, leftmost first: the last
--- of them is at index length - 1}
+-- run, which the operator is told; a long chain's list of them goes, _chainkey.lua), then
+-- the entries put back, leftmost first: the last of them is at index length - 1}
 --
 -- Fewer are taken once they hold MAX_BYTES (at least one): every entry is copied into Lua,
 -- and the kept ones back and to the client, so 1,000 jobs of 100 KB held Redis 0.3-0.8 s
 -- a call. The pops are sized by the entries' size so far, from a first small one.
 --#include plain
+--#include chainkey
 local MAX_BYTES = 8388608
 local want = tonumber(ARGV[1])
 local taken, bytes, n = {}, 0, 16
@@ -33,28 +34,23 @@ end
 if #taken == 0 then
   return {0, 0, 0, 0}
 end
--- the text search first: only a member that names the field is decoded, to tell a chain
--- from an argument that holds the word. 'q_chain"', not '"forkq_chain"': a plain search
--- stops at each occurrence of its first character, and a payload is full of quotes (0.2
--- against 0.45 us a member; about a tenth of a page's time for plain jobs)
-local function carries_chain(m)
-  if not string.find(m, 'q_chain"', 1, true) then
-    return false
-  end
-  local ok, job = pcall(cjson.decode, m)
-  return ok and type(job) == 'table' and type(job['forkq_chain']) == 'table'
-      and next(job['forkq_chain']) ~= nil
-end
 -- RPOP gives the rightmost first: walked backwards, RPUSH puts them back in place
 local out = {#taken, 0, 0, 0}
 local points = checkpointed(taken)
-local chained = 0
+local chained, lists = 0, {}
 for i = #taken, 1, -1 do
   if points[i] or needs_ending(taken[i]) then
     out[#out + 1] = taken[i]
-  elseif carries_chain(taken[i]) then
-    chained = chained + 1
+  else
+    local carries, list = chain_of(taken[i])
+    if carries then
+      chained = chained + 1
+      lists[#lists + 1] = list
+    end
   end
+end
+for i = 1, #lists, 500 do
+  redis.call('DEL', unpack(lists, i, math.min(i + 499, #lists)))
 end
 local len = redis.call('LLEN', KEYS[1])
 for i = 5, #out, 500 do

@@ -7,7 +7,8 @@
 -- ARGV[1] 'zset', 'list' or 'near', ARGV[2] the failure a batch records (JSON), for 'near'
 -- the arguments below, then (member, lock key or '', jid, batch key or '') quadruplets
 -- A removed entry's jid also names an iterable job's checkpoint (forkq:iter:JID), which
--- goes with it, in one DEL a call (a key that does not exist costs a lookup).
+-- goes with it, in one DEL a call (a key that does not exist costs a lookup), as does
+-- the list of later steps of a long chain the entry refers to (_chainkey.lua).
 -- Returns how many entries were removed.
 -- Each batch is checked once, after all its entries: a clear's page of 1,000 entries of
 -- one batch checked it 1,000 times (about half the call's time).
@@ -24,6 +25,7 @@
 -- in the same order.
 --#include batch
 --#include unlock
+--#include chainkey
 local kind = ARGV[1]
 local first = kind == 'near' and 6 + tonumber(ARGV[5]) or 3
 
@@ -167,6 +169,8 @@ for i = first, #ARGV, 4 do
     if ARGV[i + 2] ~= '' then
       points[#points + 1] = 'forkq:iter:' .. ARGV[i + 2]
     end
+    local _, list = chain_of(ARGV[i])
+    points[#points + 1] = list
     if ARGV[i + 1] ~= '' then
       unlock(ARGV, i + 1, i + 2)
     end
