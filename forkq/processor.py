@@ -190,7 +190,8 @@ class Processor:
         """A fault in forkq's own handling of a job, outside the job's code: record it as
         that job's failure (retry, with the error, or dead), as a job's own exception is.
         Back on the head of its queue, a job that trips the fault every time would trip it
-        again at once; left in flight, it would wait there until the process stops."""
+        again at once; left in flight, it would wait there until the process stops. One
+        whose outcome was written before the fault (no longer in flight) is left as it is."""
         log.critical("forkq failed handling a job outside the job's code; recording it as "
                      "the job's failure", queue=unit.queue, exc_info=exc)
         logs.clear_job()
@@ -209,7 +210,10 @@ class Processor:
         if seen.get("failed") in (None, self.failed):  # not counted by _perform's failure path
             self.failed += 1
         jobdef = lookup(job["class"])
-        self.manager.write(self.outcomes.failed, job, exc, unit.token, jobdef)
+        # an outcome written before the fault (_perform's failure path, a chain's next push)
+        # released the entry: written again, a failure would be a second retry entry
+        if self.manager.write(self.outcomes.redis.hexists, self.outcomes.inflight_key, unit.token):
+            self.manager.write(self.outcomes.failed, job, exc, unit.token, jobdef)
         if not counted:  # after the write, which matters more: a fault here costs the count
             started = seen.get("started")
             try:

@@ -477,6 +477,36 @@ def test_jobs_forkq_failed_outside_their_code_are_counted_once(running, r, monke
     assert {k: row(k) for k in proc.jobs.rows} == {"jm.Fast": (1, 0), "jm.Flaky": (1, 1)}
 
 
+@forkq.job(queue=QUEUE, name="jm.Retried")
+def retried() -> None:
+    raise ValueError("retried failed")
+
+
+@pytest.mark.timeout(20)
+def test_a_fault_after_a_failure_was_recorded_does_not_record_it_again(running, r, monkeypatch):
+    """A fault in _perform's failure path after its write (here in the "fail" log line)
+    reached _fault, which wrote the failure a second time: a second retry entry, the job
+    run twice more. The entry is no longer in flight: the outcome stands, counted once."""
+    from forkq import processor
+    manager, _ = running(1)
+    proc = manager.processors[0]
+    real_message, trips = processor.message, [1]
+
+    def tripped(*a, **kw):
+        if trips:
+            trips.pop()
+            raise RuntimeError("a fault in forkq after the failure's write")
+        return real_message(*a, **kw)
+    monkeypatch.setattr(processor, "message", tripped)
+    jid = retried.enqueue()
+    # _fault counts the job last (process() had not): then its write, if any, was made
+    wait_until(lambda: "jm.Retried" in proc.jobs.rows, timeout=5, message="the job counted")
+    assert not trips and (proc.processed, proc.failed) == (1, 1)
+    assert proc.jobs.rows["jm.Retried"][jobmetrics.F] == 1
+    (entry,) = [json.loads(raw) for raw in r.zrange("retry", 0, -1)]
+    assert entry["jid"] == jid and entry["error_message"] == "retried failed"
+
+
 def test_a_bad_minutes_is_a_400_with_its_reason_not_another_period(r, redis_url, capsys):
     # "abc" (and " 60", "6_0") showed 60 minutes as if asked for; each is one line naming
     # the periods, as the dashboard's other bad parameters are
