@@ -449,10 +449,20 @@ def _write(outcomes: "Outcomes", token: str, keep: tuple[str, int] | None,
     return done if isinstance(done, bytes) else int(done)
 
 
-def ended(job: dict[str, Any], fate: str) -> None:
+def ended(job: dict[str, Any], fate: str, conn: Any = None) -> None:
     """Log that a chained job left without success for good, other than to dead (where
-    the rest of its chain waits in its entry): the steps after it will not run."""
+    the rest of its chain waits in its entry): the steps after it will not run. A long
+    chain's list of them is deleted through `conn`, once the job's fate is written: nothing
+    reads it again. Best effort: raising here would have the fate written again."""
     rest = job.get(FIELD)
+    if conn is not None and type(rest) is dict:
+        try:
+            key = stored(rest)
+            conn.delete(key)
+        except Exception as exc:  # Broken (then there is nothing of ours to delete) or Redis
+            if not isinstance(exc, Broken):
+                log.warning("could not delete the steps of a chain that ended; they expire",
+                            key=rest.get("key"), error=f"{type(exc).__name__}: {exc}")
     left = len(rest) if type(rest) is list else None
     if type(rest) is dict and type(rest.get("steps")) is int and type(rest.get("next")) is int:
         left = rest["steps"] - rest["next"]

@@ -247,7 +247,7 @@ class Processor:
             if after is not lock and not self._expired_in_batch(job, why):
                 return False
             if "forkq_chain" in job:
-                chains.ended(job, "expired")
+                chains.ended(job, "expired", self.outcomes.redis)
             return True if lock is None else lock  # dropped unrun: acknowledged as done
         if "forkq_chain" in job:  # the one test a job of no chain pays
             # _perform tells a Next from a (jid, TTL) by its class, as mypy cannot

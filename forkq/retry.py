@@ -303,7 +303,7 @@ class Outcomes:
         self._plans.pop(token, None)
         if fate in ("dropped", "discarded") and "forkq_chain" in job:
             from .chains import ended  # chains imports this module
-            ended(job, fate)
+            ended(job, fate, self.redis)
         # an operator's cancel is no death: as a kill from `dead`, it runs no handler
         if fate == "dead" and hooks.ON_DEATH and not isinstance(exc, JobCancelled):
             _run_death_handlers(job, exc)

@@ -177,6 +177,19 @@ def test_a_dropped_step_ends_the_chain_and_says_so(client, r, worker, monkeypatc
     assert "dropped" in line["event"] and line["jid"] == jids[0] and line["left"] == 1
 
 
+def test_a_stored_chain_s_step_dropped_or_expired_takes_its_list_along(client, r, worker, monkeypatch):
+    """Its later steps will not run, yet their list stayed for 210 days after each such
+    step (retry=False, an expires_in missed): 8 KB and more a chain."""
+    monkeypatch.setattr(chains, "INLINE_BYTES", 0)
+    gone = forkq.chain(dropped.call("x"), step.call("never"), step.call("never")).enqueue()
+    late = forkq.chain(step.options(expires_in=0.001).call("late"), step.call("never")).enqueue()
+    time.sleep(0.01)  # past its expiry: nothing to poll for
+    run_one(worker)
+    run_one(worker)
+    assert calls == [] and queued(r, "cq") == [] and dead(r) == [] and r.zcard("retry") == 0
+    assert not r.exists(keys.chain(gone[0])) and not r.exists(keys.chain(late[0]))
+
+
 def test_another_client_s_unique_chained_job_releases_its_lock_with_the_next_push(client, r, worker):
     nxt = {"class": "chain_test.step", "args": ["b"], "jid": "0" * 24, "queue": "cq", "retry": True}
     client.push("chain_test.step", ["a"], queue="cq", unique_for=60, forkq_chain=[nxt])
