@@ -30,12 +30,16 @@ def _expected() -> tuple[set[tuple[int, str]], set[tuple[int, str]]]:
     return errors, reveals
 
 
-def test_user_app_type_checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_user_app_type_checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+                              tmp_path: Path) -> None:
     api = pytest.importorskip("mypy.api")
     # forkq from this tree, however it was installed (an editable install's import hook is
     # one mypy cannot follow); its own modules' findings are not the user's: silent
     monkeypatch.setenv("MYPYPATH", str(ROOT))
-    cache = request.config.cache.mkdir("mypy") if request.config.cache else ROOT / ".mypy_cache"
+    # pytest's cache keeps mypy's warm between runs; without it (-p no:cacheprovider) a
+    # temporary one, not a .mypy_cache left in the tree
+    kept = getattr(request.config, "cache", None)
+    cache = kept.mkdir("mypy") if kept is not None else tmp_path / "mypy_cache"
     out, err, _status = api.run([str(APP), "--strict", "--follow-imports=silent", "--show-error-codes",
                                  "--no-error-summary", "--no-pretty", "--cache-dir", str(cache)])
     assert not err, err
