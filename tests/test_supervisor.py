@@ -807,7 +807,13 @@ def test_hup_replaces_every_child_one_at_a_time_while_jobs_keep_running(start_ma
         def all_replaced_and_working():
             nonlocal fewest
             m.check()
-            fewest = min(fewest, len(m.children()))
+            live = len(m.children())
+            if live < fewest:
+                # psutil lists the pids, then reads each: a replacement forked after the
+                # listing is missed while its predecessor exits meanwhile (seen once on a
+                # loaded machine); a slot really left empty is still so on a second look
+                live = max(live, len(m.children()))
+            fewest = min(fewest, live)
             now = m.slots()
             if len(now) != n or set(now.values()) & set(before.values()):
                 return None
