@@ -8,7 +8,12 @@ fields of a key are exactly its completed runs. A job given fail_once raises on 
 attempt (`HSETNX soak:failed key`), so it goes through the retry set; `retry_in` brings it
 back at once (any delay above 0 gets Sidekiq's jitter of up to 9 s).
 
-Redis calls go to the worker's own Redis (FORKQ_REDIS_URL), through a client per process.
+`soak.items` is an iterable job: item i of job key `i7` records itself as key `i7.i`, then
+yields i; with fail_once, one item (the middle one) raises on its first run, so the retry
+resumes from the cursor the failure wrote.
+
+Redis calls go to the worker's own Redis (FORKQ_REDIS_URL), through bench/jobkit.py's
+client per process.
 """
 
 from __future__ import annotations
@@ -18,48 +23,26 @@ import random
 import time
 import uuid
 
-import redis
-
 import forkq
+from bench.jobkit import client, write
 
 RUNS = "soak:runs"
 FAILED = "soak:failed"
 QUEUES = ("soak", "soak2")
-_clients: dict[int, redis.Redis] = {}
 
 
 class SoakFailure(Exception):
     """The deliberate first failure of a fail_once job."""
 
 
-def _client() -> redis.Redis:
-    pid = os.getpid()
-    c = _clients.get(pid)
-    if c is None:
-        c = _clients[pid] = redis.Redis.from_url(os.environ["FORKQ_REDIS_URL"], socket_timeout=5)
-    return c
-
-
-def _write(fn, *args):
-    """Ride out a Redis restart or pause: both writes are idempotent, so retrying is safe."""
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            return fn(*args)
-        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
-def _run(key: str, fail_once: bool) -> None:
-    time.sleep(random.uniform(0, 0.2))
-    c = _client()
-    if fail_once and _write(c.hsetnx, FAILED, key, 1):
+def _run(key: str, fail_once: bool, pause: float = 0.2) -> None:
+    time.sleep(random.uniform(0, pause))
+    c = client()
+    if fail_once and write(c.hsetnx, FAILED, key, 1):
         raise SoakFailure(f"{key} fails once on purpose")
     job = forkq.current_job() or {}
-    _write(c.hset, RUNS, uuid.uuid4().hex,
-           f"{key} {job.get('jid')} {job.get('retry_count', '-')} {os.getpid()} {time.time():.6f}")
+    write(c.hset, RUNS, uuid.uuid4().hex,
+        f"{key} {job.get('jid')} {job.get('retry_count', '-')} {os.getpid()} {time.time():.6f}")
 
 
 def _retry_soon(count, exc):
@@ -79,3 +62,10 @@ def unique(key: str, fail_once: bool = False) -> None:
 @forkq.job(name="soak.callback", queue="soak2", retry=5, retry_in=_retry_soon)
 def callback(key: str) -> None:
     _run(key, False)
+
+
+@forkq.job(name="soak.items", queue="soak2", retry=5, retry_in=_retry_soon, iterable=True)
+def items(key: str, count: int, fail_once: bool = False, cursor=None):
+    for i in range(0 if cursor is None else cursor + 1, count):
+        _run(f"{key}.{i}", fail_once and i == count // 2, pause=0.1)
+        yield i

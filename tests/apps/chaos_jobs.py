@@ -8,46 +8,23 @@ attempt (`HSETNX chaos:failed n`), and `retry_in` brings it back through the ret
 (0 s: any delay above 0 gets Sidekiq's jitter of up to 9 s), so the chaos run exercises the
 retry set too without waiting on it.
 
-Every Redis call goes to the worker's own Redis (FORKQ_REDIS_URL), through a client made per
-process (nothing made before the fork is used after it).
+Every Redis call goes to the worker's own Redis (FORKQ_REDIS_URL), through bench/jobkit.py's
+client per process.
 """
 
-import os
 import random
 import time
 import uuid
 
-import redis
-
 import forkq
+from bench.jobkit import client, write
 
 EXECS = "chaos:execs"
 FAILED = "chaos:failed"
-_clients: dict[int, redis.Redis] = {}
 
 
 class ChaosFailure(Exception):
     """The deliberate first failure of a fail_once job."""
-
-
-def _client() -> redis.Redis:
-    pid = os.getpid()
-    c = _clients.get(pid)
-    if c is None:
-        c = _clients[pid] = redis.Redis.from_url(os.environ["FORKQ_REDIS_URL"], socket_timeout=5)
-    return c
-
-
-def _write(fn, *args):
-    """Ride out a Redis restart: the writes are idempotent, so retrying them is safe."""
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            return fn(*args)
-        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def _retry_soon(count, exc):
@@ -57,7 +34,7 @@ def _retry_soon(count, exc):
 @forkq.job(name="chaos.record", queue="chaos", retry=5, retry_in=_retry_soon)
 def record(n, fail_once=False):
     time.sleep(random.uniform(0, 0.02))
-    c = _client()
-    if fail_once and _write(c.hsetnx, FAILED, str(n), 1):
+    c = client()
+    if fail_once and write(c.hsetnx, FAILED, str(n), 1):
         raise ChaosFailure(f"job {n} fails once on purpose")
-    _write(c.hset, EXECS, uuid.uuid4().hex, n)
+    write(c.hset, EXECS, uuid.uuid4().hex, n)
