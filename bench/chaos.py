@@ -17,18 +17,24 @@ duplicates exceed the jobs held at the kills, a private structure (`forkq:inflig
 master did not exit 0. tests/test_chaos.py runs the same `run()` at a smaller scale.
 
     python3 -m bench.chaos --minutes N --seed S [--fault-every 4] [--hang-timeout 12] [--keep DIR]
+                           [--faults redis_freeze,child_kill]
 
 The soak (`Soak`, below): an operator's bad day. Its own redis-server (AOF, fsync always)
 and a real `forkq start --processes 3 --concurrency 5` on bench/chaos_app.py, whose jobs
 take 0-200 ms and record each run to its end (key, jid, retry count, pid, time) in one HSET;
 some fail once and retry, and the driver pushes plain jobs, bursts of 50-300, scheduled,
-unique, batch (with an on_success callback) and chain jobs, ~15 pushes a second. Meanwhile,
+unique, batch (with an on_success callback), chain and iterable jobs (each item recorded
+as a run of its own), ~15 pushes a second. Meanwhile,
 every ~--fault-every seconds, one fault at random: SIGKILL a child; SIGSTOP one past the
 hang timeout; SIGKILL the master alone, or its whole group, and start a new one (half the
 masters get a host name of their own, so a dead one's jobs come back only after
 --recovery-delay); TERM the master; `ctl quiet` then `ctl stop`; quiet or TERM, then SIGKILL
-the group; HUP; Redis `SHUTDOWN` or `kill -9`, restarted from its AOF; `CLIENT PAUSE` (ALL
-or WRITE) 1-10 s; and Redis down while a master is killed or stopped. Then it waits until every queue,
+the group; HUP; Redis `SHUTDOWN`, SIGTERM or `kill -9`, restarted from its AOF; `CLIENT PAUSE`
+(ALL or WRITE) 1-10 s; Redis SIGSTOPped for 1 s to --hang-timeout + 8 s (past the recovery
+delay); and Redis down while a master is killed or stopped. Beside it, a second forkq
+(`--processes 1`, a host name of its own) that only Redis's faults touch: each forkq's orphan
+sweep faces the other's live processes, and a run by the bystander that runs again is
+unexplained (it is never killed). `--faults` restricts the faults, `--no-bystander` drops it. Then it waits until every queue,
 suspects list, schedule, retry set and in-flight structure is empty, and reports what was
 pushed, what never ran (LOST, not in dead), what ran more than once and why (the process of
 the earlier run was killed after it, or stopped while Redis was down, or killed as hung by
@@ -411,8 +417,8 @@ def _check(r: redis.Redis, report: Report) -> None:
 SOAK_APP = ROOT / "bench" / "chaos_app.py"
 SOAK_QUEUES = ("soak", "soak2")
 FAULTS = ("child_kill", "child_hang", "master_kill", "group_kill", "master_term",
-          "redis_shutdown", "redis_kill9", "client_pause", "quiet_stop", "outage_and_kill",
-          "hup", "quiet_kill", "term_kill")
+          "redis_shutdown", "redis_term", "redis_kill9", "client_pause", "redis_freeze",
+          "quiet_stop", "outage_and_kill", "hup", "quiet_kill", "term_kill")
 # Above the longest CLIENT PAUSE (10 s): a master whose loop waits on a paused Redis for
 # longer than --hang-timeout kills every healthy child as hung (see README); --hang-timeout 3
 # shows that. The delay stays above the hang timeout, as forkq asks.
@@ -493,7 +499,10 @@ class SoakReport:
 
 class Soak:
     def __init__(self, server: SoakRedis, seed: int, minutes: float, workdir: Path,
-                 hang_timeout: float = HANG_TIMEOUT, fault_every: float = 4.0) -> None:
+                 hang_timeout: float = HANG_TIMEOUT, fault_every: float = 4.0,
+                 faults: tuple[str, ...] = FAULTS, bystander: bool = True) -> None:
+        self.faults = faults
+        self.with_bystander = bystander
         self.server = server
         self.hang_timeout = hang_timeout
         self.fault_every = fault_every
@@ -504,6 +513,7 @@ class Soak:
         self.r = redis.Redis.from_url(server.url, socket_timeout=10)
         self.report = SoakReport(seed=seed, minutes=minutes)
         self.master: subprocess.Popen | None = None
+        self.bystander: subprocess.Popen | None = None
         self.generation = 0
         self.killed: dict[int, float] = {}   # pid -> when it was killed uncleanly (epoch)
         self.spurious: set[int] = set()      # of those, killed by a master as hung unfrozen
@@ -524,14 +534,32 @@ class Soak:
         return dict(os.environ, FORKQ_REDIS_URL=self.server.url, FORKQ_PIDFILE=str(self.pidfile),
                     PYTHONPATH=str(ROOT))
 
+    def command(self, processes: int) -> list[str]:
+        return [sys.executable, "-m", "forkq", "start", "--require", str(SOAK_APP),
+                "--queue", "soak", "--queue", "soak2", "--processes", str(processes), "--concurrency", "5",
+                "--hang-timeout", str(self.hang_timeout), "--recovery-delay", str(self.hang_timeout + 3),
+                "--heartbeat-interval", "1", "--poll-interval", "1", "--timeout", "5",
+                "--log-level", "info", "--log-format", "json"]
+
+    def start_bystander(self) -> None:
+        """A second forkq on the same Redis, as on another host (a host name of its own, a
+        pidfile of its own), that no fault touches but Redis's: its processes never die, so
+        a job that one of them ran and that ran again was taken from a live process (by the
+        other forkq's orphan sweep after a Redis fault, say) and is unexplained."""
+        log = open(self.dir / "master-bystander.log", "w")
+        cmd = self.command(1)
+        if self.hosts:
+            cmd = ["unshare", "--uts", "sh", "-c", 'hostname soak-bystander && exec "$@"', "sh", *cmd]
+        env = dict(self.env(), FORKQ_PIDFILE=str(self.dir / "bystander.pid"))
+        self.bystander = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True, cwd=ROOT)
+        log.close()
+        self.event("bystander_start", f"pid {self.bystander.pid}")
+
     def start_master(self) -> None:
         self.generation += 1
         log = open(self.dir / f"master-{self.generation}.log", "w")
-        cmd = [sys.executable, "-m", "forkq", "start", "--require", str(SOAK_APP),
-             "--queue", "soak", "--queue", "soak2", "--processes", "3", "--concurrency", "5",
-             "--hang-timeout", str(self.hang_timeout), "--recovery-delay", str(self.hang_timeout + 3),
-             "--heartbeat-interval", "1", "--poll-interval", "1", "--timeout", "5",
-             "--log-level", "info", "--log-format", "json"]
+        cmd = self.command(3)
         host = ""
         if self.hosts and self.rng.random() < 0.5:
             # a host name of its own (a UTS namespace; same pids): the next forkq cannot
@@ -676,6 +704,29 @@ class Soak:
             self.server.shutdown()
             self.ping()
 
+    def f_redis_term(self) -> None:
+        # SIGTERM (systemctl restart redis): Redis fsyncs the AOF and exits
+        with self.gate:
+            self.event("redis_term")
+            self.server.down(kill=False)
+            time.sleep(self.rng.uniform(0, 2))
+            self.server.start()
+            self.ping()
+
+    def f_redis_freeze(self) -> None:
+        # SIGSTOP (a paused VM, a stalled disk): connections are still accepted by the
+        # kernel but nothing answers, and its clock runs on, so every key's TTL and every
+        # heartbeat's age jump by the freeze at SIGCONT; at times past the recovery delay
+        with self.gate:
+            seconds = self.rng.uniform(1, self.hang_timeout + 8)
+            self.event("redis_freeze", f"{seconds:.1f} s")
+            self.server.proc.send_signal(signal.SIGSTOP)
+            try:
+                time.sleep(seconds)
+            finally:
+                self.server.proc.send_signal(signal.SIGCONT)
+            self.event("redis_freeze_end")
+
     def f_redis_kill9(self) -> None:
         with self.gate:
             self.event("redis_kill9")
@@ -742,15 +793,15 @@ class Soak:
                     self.report.problems.append(f"master exited by itself with {self.master.returncode}")
                     self.start_master()
                     continue
-                self.fault(self.rng.choice(FAULTS))
+                self.fault(self.rng.choice(self.faults))
         except BaseException as exc:  # reported by the main thread
             self.fault_error = exc
 
     # -- pushes -------------------------------------------------------------------------
     def push_some(self, serial: int) -> None:
         from bench import chaos_app as app
-        kind = self.rng.choices(("plain", "scheduled", "unique", "batch", "chain", "burst"),
-                                (60, 20, 20, 10, 10, 3))[0]
+        kind = self.rng.choices(("plain", "scheduled", "unique", "batch", "chain", "burst", "items"),
+                                (60, 20, 20, 10, 10, 3, 8))[0]
         fail = self.rng.random() < 0.1
         n = serial
         with self.gate:
@@ -770,6 +821,12 @@ class Soak:
                         keys_ = [f"u{n}"]
                         if app.unique.enqueue(keys_[0], fail) is None:
                             raise RuntimeError(f"unique push of new {keys_[0]} refused")
+                    elif kind == "items":
+                        # an iterable job of 5-40 items of 0-100 ms: a stop interrupts it
+                        # between two items, a crash redoes those since its last checkpoint
+                        count = self.rng.randint(5, 40)
+                        keys_ = [f"i{n}.{i}" for i in range(count)]
+                        app.items.enqueue(f"i{n}", count, fail)
                     elif kind == "batch":
                         size = self.rng.randint(2, 8)
                         keys_ = [f"b{n}.{i}" for i in range(size)] + [f"cb{n}"]
@@ -816,21 +873,48 @@ class Soak:
             v.sort()
         return out
 
-    def dead_entries(self) -> None:
+    def dead_jobs(self) -> list[tuple[str, str]]:
+        """(key, error class) of each job in the dead set."""
         import json
+        out = []
         for raw in self.r.zrange("dead", 0, -1):
             job = json.loads(raw)
-            self.report.dead[job.get("error_class")] += 1
             args = job.get("args") or ["?"]
-            self.report.dead_keys.append(f"{args[0]}:{job.get('error_class')}")
+            out.append((str(args[0]), str(job.get("error_class"))))
+        return out
+
+    def excused(self, dead: list[tuple[str, str]]) -> set[str]:
+        """The keys a dead job keeps from running: itself, an iterable job's items, a batch
+        member's callback (on_success waits for every member) and a chain's later steps."""
+        out = set()
+        for key, _ in dead:
+            out.add(key)
+            if key.startswith("i"):
+                out |= {k for k in self.expected if k.startswith(key + ".")}
+            elif key.startswith("b"):
+                out.add("cb" + key[1:].split(".")[0])
+            elif key.startswith("c") and not key.startswith("cb"):
+                n, step = key[1:].split(".")
+                out |= {k for k in self.expected
+                        if k.startswith(f"c{n}.") and int(k.split(".")[1]) > int(step)}
+        return out
+
+    def dead_entries(self) -> None:
+        for key, error in self.dead_jobs():
+            self.report.dead[error] += 1
+            self.report.dead_keys.append(f"{key}:{error}")
+            # a job killed in --poison-after deaths may go there (README "Poison jobs");
+            # none fails more than once, so nothing else should
+            if error != "forkq.PoisonJob":
+                self.report.problems.append(f"{key} in dead as {error}")
 
     def drain(self, timeout: float) -> bool:
         t0 = time.monotonic()
         deadline = t0 + timeout
         while time.monotonic() < deadline:
             try:
-                if not any(self.structures().values()) and self.expected <= set(self.runs()) | {
-                        k.split(":")[0] for k in self.report.dead_keys}:
+                if not any(self.structures().values()) and self.expected <= set(self.runs()) | self.excused(
+                        self.dead_jobs()):
                     self.report.drain_s = time.monotonic() - t0
                     return True
             except REDIS_ERRORS:
@@ -866,7 +950,7 @@ class Soak:
         runs = self.runs()
         rep.pushed = len(self.expected)
         rep.ran = len(self.expected & set(runs))
-        dead = {k.split(":")[0] for k in rep.dead_keys}
+        dead = self.excused([tuple(k.split(":", 1)) for k in rep.dead_keys])
         rep.lost = sorted(self.expected - set(runs) - dead)
         for key, rs in runs.items():
             if key not in self.expected:
@@ -896,6 +980,8 @@ class Soak:
         import threading
         t_start = time.monotonic()
         self.start_master()
+        if self.with_bystander:
+            self.start_bystander()
         until = t_start + self.minutes * 60
         injector = threading.Thread(target=self.fault_loop, args=(until,), daemon=True)
         injector.start()
@@ -920,6 +1006,12 @@ class Soak:
             code = stop_master(self.master, timeout=60)
             if code != 0:
                 self.report.problems.append(f"final master exit {code} after TERM")
+            if self.bystander is not None:
+                if self.bystander.poll() is not None:
+                    self.report.problems.append(f"the bystander forkq exited by itself with {self.bystander.returncode}")
+                code = stop_master(self.bystander, timeout=60)
+                if code != 0:
+                    self.report.problems.append(f"bystander exit {code} after TERM")
             self.report.leftovers = {k: v for k, v in self.structures().items() if v}
             owners = self.r.hlen("forkq:owners")
             if owners:
@@ -931,9 +1023,10 @@ class Soak:
                 self.report.problems.append("structures left after the final stop")
         finally:
             self.stop_faults = True
-            if self.master is not None and self.master.poll() is None:
-                os.killpg(self.master.pid, signal.SIGKILL)
-                self.master.wait()
+            for proc in (self.master, self.bystander):
+                if proc is not None and proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
             self.report.elapsed_s = time.monotonic() - t_start
         return self.report
 
@@ -951,12 +1044,12 @@ class Soak:
 
 
 def soak(minutes: float, seed: int, keep: Path | None = None, hang_timeout: float = HANG_TIMEOUT,
-         fault_every: float = 4.0) -> int:
+         fault_every: float = 4.0, faults: tuple[str, ...] = FAULTS, bystander: bool = True) -> int:
     random.seed(seed)
     workdir = Path(tempfile.mkdtemp(prefix="forkq-soak-"))
     with SoakRedis() as server:
         forkq.configure(server.url)
-        s = Soak(server, seed, minutes, workdir, hang_timeout, fault_every)
+        s = Soak(server, seed, minutes, workdir, hang_timeout, fault_every, faults, bystander)
         report = s.run()
     print(report.format())
     if report.unexplained:
@@ -991,9 +1084,16 @@ def main() -> None:
                    help="the soak's --hang-timeout (the recovery delay is 3 s more)")
     p.add_argument("--fault-every", type=float, default=4.0,
                    help="the soak: average seconds between one fault's end and the next")
+    p.add_argument("--no-bystander", action="store_true",
+                   help="the soak: no second forkq (untouched by faults) beside the one faulted")
+    p.add_argument("--faults", help="the soak: only these faults, comma-separated (default: all)")
     a = p.parse_args()
     if a.minutes is not None:
-        sys.exit(soak(a.minutes, a.seed, a.keep, a.hang_timeout, a.fault_every))
+        faults = tuple(a.faults.split(",")) if a.faults else FAULTS
+        unknown = sorted(set(faults) - set(FAULTS))
+        if unknown:
+            p.error(f"--faults: no fault named {', '.join(unknown)} (there are {', '.join(FAULTS)})")
+        sys.exit(soak(a.minutes, a.seed, a.keep, a.hang_timeout, a.fault_every, faults, not a.no_bystander))
     with DurableRedis() as server:
         report = run(server.url, server.restart, jobs=a.jobs, processes=a.processes,
                      concurrency=a.concurrency, duration=a.duration, kill_interval=a.kill_interval,
