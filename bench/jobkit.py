@@ -1,9 +1,11 @@
-"""What the fault-run apps (bench/chaos_app.py, tests/apps/chaos_jobs.py) share: a Redis
-client per process and a write that rides out a Redis restart or pause.
+"""What the apps that record their runs (bench/chaos_app.py, tests/apps/chaos_jobs.py,
+tests/apps/redisops_jobs.py) share: a Redis client per process, and a write that rides out
+a Redis restart or pause.
 
-Both apps are loaded by `--require` path into a master started with the repository on
-PYTHONPATH (bench.common.start_master, bench.chaos's soak), so `bench` is importable there;
-`tests` is not a package, only a namespace one, which any installed `tests` package hides.
+Each is loaded by `--require` path into a master started with the repository on PYTHONPATH
+(bench.common.start_master, bench.chaos's soak, tests/test_redis_ops.py), so `bench`, a
+package, is importable there; `tests` is only a namespace package, which any installed
+`tests` package would hide.
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ from typing import TypeVar
 import redis
 
 T = TypeVar("T")
-_clients: dict[int, redis.Redis] = {}
+_clients: dict[tuple[int, str], redis.Redis] = {}
 
 
-def client() -> redis.Redis:
-    """This process's client to FORKQ_REDIS_URL (one made before a fork is never used after)."""
-    pid = os.getpid()
-    c = _clients.get(pid)
+def client(url_variable: str = "FORKQ_REDIS_URL") -> redis.Redis:
+    """This process's client to the Redis the environment variable names (one made before
+    a fork is never used after it)."""
+    key = (os.getpid(), url_variable)
+    c = _clients.get(key)
     if c is None:
-        c = _clients[pid] = redis.Redis.from_url(os.environ["FORKQ_REDIS_URL"], socket_timeout=5)
+        c = _clients[key] = redis.Redis.from_url(os.environ[url_variable], socket_timeout=5)
     return c
 
 
