@@ -30,7 +30,7 @@ hang timeout; SIGKILL the master alone, or its whole group, and start a new one 
 masters get a host name of their own, so a dead one's jobs come back only after
 --recovery-delay); TERM the master; `ctl quiet` then `ctl stop`; quiet or TERM, then SIGKILL
 the group; HUP; Redis `SHUTDOWN`, SIGTERM or `kill -9`, restarted from its AOF; `CLIENT PAUSE`
-(ALL or WRITE) 1-10 s; Redis SIGSTOPped for 1 s to --hang-timeout + 8 s (past the recovery
+(ALL or WRITE) 1-10 s; `CLIENT KILL` of every connection; Redis SIGSTOPped for 1 s to --hang-timeout + 8 s (past the recovery
 delay); and Redis down while a master is killed or stopped. Beside it, a second forkq
 (`--processes 1`, a host name of its own) that only Redis's faults touch: each forkq's orphan
 sweep faces the other's live processes, and a run by the bystander that runs again is
@@ -417,7 +417,7 @@ def _check(r: redis.Redis, report: Report) -> None:
 SOAK_APP = ROOT / "bench" / "chaos_app.py"
 SOAK_QUEUES = ("soak", "soak2")
 FAULTS = ("child_kill", "child_hang", "master_kill", "group_kill", "master_term",
-          "redis_shutdown", "redis_term", "redis_kill9", "client_pause", "redis_freeze",
+          "redis_shutdown", "redis_term", "redis_kill9", "client_pause", "redis_freeze", "client_kill",
           "quiet_stop", "outage_and_kill", "hup", "quiet_kill", "term_kill")
 # Above the longest CLIENT PAUSE (10 s): a master whose loop waits on a paused Redis for
 # longer than --hang-timeout kills every healthy child as hung (see README); --hang-timeout 3
@@ -726,6 +726,14 @@ class Soak:
             finally:
                 self.server.proc.send_signal(signal.SIGCONT)
             self.event("redis_freeze_end")
+
+    def f_client_kill(self) -> None:
+        # a proxy restarted or a failover: every connection is cut at once while Redis runs
+        # on, with commands on the wire, blocked BLMOVEs and replies not yet sent
+        with self.gate:
+            self.event("client_kill")
+            for kind in ("normal", "pubsub"):
+                self.r.execute_command("CLIENT", "KILL", "TYPE", kind, "SKIPME", "yes")
 
     def f_redis_kill9(self) -> None:
         with self.gate:
