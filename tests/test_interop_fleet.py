@@ -16,7 +16,7 @@ import time
 import pytest
 
 import forkq
-from corekit import CORE_JOBS, CoreWorker, hand_driven, run_one  # noqa: F401
+from corekit import CORE_JOBS, CoreWorker, hand_driven, records, run_one, wait_records, workers  # noqa: F401
 from forkq import api
 from forkq.retry import Outcomes
 from forkq.scheduler import Scheduler
@@ -176,3 +176,36 @@ def test_ruby_sees_forkqs_children_their_jobs_and_counts_and_quiets_and_stops_th
     assert ruby["stats"]["enqueued"] == 4  # the two running were put back
     assert ruby["queues"]["default"]["size"] == 4
 
+
+# -- the schedule, and clearing from Ruby --------------------------------------------------
+
+
+RECORD = "tests.apps.core_jobs.record"
+
+
+@pytest.mark.timeout(90)
+def test_ruby_schedules_and_clears_while_forkq_works(sidekiq_ruby, redis_url, r, workers):
+    worker = workers(concurrency=1, timeout=1, poll_interval=0.2,
+                     extra_args=["--heartbeat-interval", "0.5"])
+    client = forkq.Client(redis_url)
+    at = time.time() + 1
+    sidekiq_ruby.push(redis_url, RECORD, ["ruby-in"], at=at)  # perform_in, from Ruby
+    (ran,) = wait_records(r, 1, worker, kind="record", timeout=20)
+    assert ran["args"] == ["ruby-in"] and ran["t"] >= at  # by forkq, at its time
+
+    # forkq busy with one job, one waiting, one scheduled: Sidekiq's Clear on both
+    client.push(SLEEPY, [60, "busy"])
+    wait_until(lambda: len(api.running(r)) == 1, timeout=10,
+               message="the sleepy job running, in the heartbeat Sidekiq::Workers reads")
+    client.push(RECORD, ["cleared"])
+    client.push(RECORD, ["unscheduled"], at=time.time() + 1)
+    ruby = inspect(sidekiq_ruby, redis_url, "clear-queue:default", "clear-schedule")
+    assert ruby["stats"]["enqueued"] == 0 and ruby["scheduled"] == [] and ruby["queues"] == {}
+    assert len(ruby["workers"]) == 1  # what runs is not Sidekiq's to clear
+
+    # what was running comes back at forkq's stop, on the queue Sidekiq sees
+    assert worker.stop() == 0
+    assert [rec["args"] for rec in records(r, "record")] == [["ruby-in"]]
+    ruby = inspect(sidekiq_ruby, redis_url)
+    assert ruby["stats"]["enqueued"] == 1 and ruby["queues"]["default"]["size"] == 1
+    assert ok_json("stats")["enqueued"] == 1

@@ -58,3 +58,16 @@ local function malformed_to_dead(original, reason, n)
     error_message = reason, failed_at = now, forkq_original = original})
   add_dead('{"args":[],' .. string.sub(rest, 2), now)
 end
+
+-- Keep queue `name` in the `queues` set when a job goes back onto it (or its suspects list).
+-- Sidekiq's Clear (Sidekiq::Queue#clear) deletes a queue and takes it out of the set while
+-- forkq still holds that queue's jobs in flight; a job put back then on a queue missing from
+-- the set waits unseen by Sidekiq's Web UI and Stats and by `forkq queues` and `forkq stats`.
+-- Once per name and call.
+local listed = {}
+local function keep_listed(name)
+  if not listed[name] then
+    listed[name] = true
+    redis.call('SADD', 'queues', name)
+  end
+end

@@ -60,6 +60,7 @@ if #flat > 0 then
       else
         redis.call('RPUSH', 'queue:' .. name, job)
       end
+      keep_listed(name)
       returned = returned + 1
     end
   end

@@ -35,5 +35,6 @@ if id and redis.call('EXISTS', ARGV[4] .. id) == 1 then
 else
   redis.call('RPUSH', 'queue:' .. name, job)
 end
+keep_listed(name)
 redis.call('HDEL', KEYS[1], ARGV[1])
 return 1

@@ -52,6 +52,9 @@ for i = 3, #KEYS do
     redis.call('RPUSH', 'queue:' .. name, job)
     requeued = requeued + 1
   end
+  if #jobs > 0 then
+    keep_listed(name)
+  end
   redis.call('DEL', KEYS[i])
 end
 
@@ -111,14 +114,17 @@ for _, item in ipairs(items) do
         poisoned = poisoned + 1
       else
         suspected[#suspected + 1] = {suspects .. name, job}
+        keep_listed(name)
       end
     elseif key and redis.call('EXISTS', key) == 1 then
       -- a suspect that was stopped, not crashed: next in line among the suspects again
       redis.call('RPUSH', suspects .. name, job)
       held = held + 1
+      keep_listed(name)
     else
       redis.call('RPUSH', 'queue:' .. name, job)
       requeued = requeued + 1
+      keep_listed(name)
     end
   end
 end

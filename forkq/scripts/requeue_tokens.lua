@@ -9,6 +9,7 @@ for i = #ARGV, 1, -1 do
     local name, job = entry(ARGV[i], v)
     if name then
       redis.call('RPUSH', 'queue:' .. name, job)
+      keep_listed(name)
       redis.call('HDEL', KEYS[1], ARGV[i])
       n = n + 1
     end

@@ -12,6 +12,7 @@ end
 local name, job = entry(ARGV[1], v)
 if name then
   redis.call('RPUSH', ARGV[2] .. name, job)
+  keep_listed(name)
 else
   -- no queue to put it back on: left in flight it would run again at every restart
   malformed_to_dead(v, 'in-flight entry of unknown form (field ' .. ARGV[1] .. ')', 1)
