@@ -93,8 +93,9 @@ def build_parser() -> ArgumentParser:
         if action in ("quiet", "stop"):
             target = p.add_mutually_exclusive_group()
             target.add_argument("--identity", type=nonempty, help="signal this process through Redis instead")
-            target.add_argument("--host", type=nonempty, help="signal every process on this host through Redis")
-            target.add_argument("--all", action="store_true", help="signal every process through Redis")
+            target.add_argument("--host", type=nonempty,
+                                help="signal every forkq process on this host through Redis")
+            target.add_argument("--all", action="store_true", help="signal every forkq process through Redis")
         if action == "stop":
             p.add_argument("--timeout", type=_positive_float("--timeout"), default=60.0,
                            help="seconds to wait for the master to exit (default 60)")
@@ -326,6 +327,10 @@ def ctl(args: argparse.Namespace) -> int:
         conn = control.redis_for_ctl()
         sent = control.remote_signal(conn, signame, identity=args.identity, host=args.host,
                                      everyone=args.all)
+        _, others = control.remote_targets(conn, host=args.host, everyone=args.all)
+        if others:
+            sys.stderr.write(f"forkq: left alone, not forkq (Ruby Sidekiq?): {' '.join(sorted(others))}"
+                             " (--identity reaches one)\n")
         if not sent:
             sys.stderr.write(f"forkq: no live process matches{_master_hint(conn, args.identity)}\n")
             return 1

@@ -213,12 +213,28 @@ def _number(raw: bytes | None, kind: type) -> Any:
         return 0
 
 
+def remote_targets(conn: redis.Redis, *, identity: str | None = None, host: str | None = None,
+                   everyone: bool = False) -> tuple[list[str], list[str]]:
+    """(targets, left alone): the identities a remote quiet or stop reaches, and those a
+    `host` or `everyone` matched but that are no forkq (Ruby Sidekiq sharing the Redis).
+
+    Only an `identity` reaches any process: on a Redis a Ruby Sidekiq fleet shares (a
+    migration), `forkq ctl stop --host H` in a deploy of forkq must not stop the Ruby
+    workers on H. Sidekiq's own Web UI's Quiet All and Stop All still reach everyone."""
+    targets, others = [], []
+    for hb in heartbeats(conn):
+        if hb["identity"] == identity:
+            targets.append(hb["identity"])
+        elif everyone or (host is not None and hb["info"].get("hostname") == host):
+            (targets if hb["info"].get("forkq") is True else others).append(hb["identity"])
+    return targets, others
+
+
 def remote_signal(conn: redis.Redis, signame: str, *, identity: str | None = None,
                   host: str | None = None, everyone: bool = False) -> list[str]:
-    """LPUSH signame onto each target's `-signals` list; returns the identities signalled."""
-    targets = [hb["identity"] for hb in heartbeats(conn)
-               if everyone or hb["identity"] == identity
-               or (host is not None and hb["info"].get("hostname") == host)]
+    """LPUSH signame onto each target's `-signals` list (remote_targets); returns the
+    identities signalled."""
+    targets, _ = remote_targets(conn, identity=identity, host=host, everyone=everyone)
     if not targets:
         return []
     pipe = conn.pipeline(transaction=False)

@@ -10,13 +10,15 @@ Needs Debian's ruby-sidekiq (the `sidekiq_ruby` fixture skips otherwise).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import time
 
 import pytest
 
 import forkq
-from corekit import CORE_JOBS, CoreWorker, hand_driven, records, run_one, wait_records, workers  # noqa: F401
+from corekit import CORE_JOBS, REPO_ROOT, CoreWorker, hand_driven, records, run_one, wait_records, workers  # noqa: F401
 from forkq import api
 from forkq.retry import Outcomes
 from forkq.scheduler import Scheduler
@@ -27,6 +29,15 @@ FAILED = "interop:sidekiq_failed"
 SIDEKIQ_RAN = "interop:sidekiq_ran"
 FAIL_BACKTRACE = "tests.apps.core_jobs.fail_backtrace"
 SLEEPY = "tests.apps.core_jobs.sleepy"
+
+
+def run(*args: str, cwd) -> subprocess.CompletedProcess:
+    """`python -m forkq ARGS` of this checkout, in `cwd` (no pyproject.toml there to point it
+    elsewhere)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH"))
+                                                      if p))
+    return subprocess.run([sys.executable, "-m", "forkq", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=30, stdin=subprocess.DEVNULL)
 
 
 def inspect(sidekiq_ruby, redis_url, *actions: str) -> dict:
@@ -77,7 +88,8 @@ def test_a_forkq_failure_is_read_by_ruby_moved_back_by_its_poller_and_run_by_for
         retries = api.retries(r)
         (entry,) = list(retries)
         assert entry.jid == jid and entry.job["retry_count"] == 1
-        assert entry.job["failed_at"] == before["failed_at"] and entry.job["retried_at"] > moved["enqueued_at"]
+        assert entry.job["failed_at"] == before["failed_at"]
+        assert entry.job["retried_at"] > moved["enqueued_at"]
         ruby = _one(inspect(sidekiq_ruby, redis_url)["retry"], jid)
         assert ruby["retry_count"] == 1 and ruby["retried_at"] == entry.job["retried_at"]
         assert ruby["failed_at"] == before["failed_at"]
@@ -209,3 +221,31 @@ def test_ruby_schedules_and_clears_while_forkq_works(sidekiq_ruby, redis_url, r,
     ruby = inspect(sidekiq_ruby, redis_url)
     assert ruby["stats"]["enqueued"] == 1 and ruby["queues"]["default"]["size"] == 1
     assert ok_json("stats")["enqueued"] == 1
+
+
+# -- forkq's ctl in a mixed fleet ------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_ctl_host_and_all_reach_forkq_only_and_leave_ruby_sidekiq_alone(sidekiq_ruby, redis_url, r,
+                                                                        workers, tmp_path):
+    server = sidekiq_ruby.server(redis_url, log_path=tmp_path / "sidekiq.log")
+    with server:
+        worker = workers(extra_args=["--heartbeat-interval", "0.5"])
+        marker = f":{server.proc.pid}:".encode()
+        ruby = wait_until(lambda: next((m.decode() for m in r.smembers("processes") if marker in m), None),
+                          timeout=15, message="the Ruby server's heartbeat")
+        (host,) = {p.hostname for g in api.processes(r) for p in g.processes}
+
+        for target in (["--host", host], ["--all"]):
+            out = run("ctl", "quiet", *target, cwd=tmp_path)
+            assert out.returncode == 0, out.stderr
+            # a deploy's `forkq ctl stop --host H` must not stop the Ruby workers on H
+            assert out.stdout.split() == ["TSTP", "->", worker.identity]
+            assert r.llen(f"{ruby}-signals") == 0
+            assert f"left alone, not forkq (Ruby Sidekiq?): {ruby}" in out.stderr
+        wait_until(lambda: {p.identity: p.quiet for g in api.processes(r) for p in g.processes}
+                   == {worker.identity: True, ruby: False}, timeout=10, message="forkq quiet, Ruby not")
+        # one process named: that one, Ruby's too (as Sidekiq's Web UI can)
+        out = run("ctl", "quiet", "--identity", ruby, cwd=tmp_path)
+        assert out.returncode == 0 and out.stdout.split() == ["TSTP", "->", ruby], out.stderr
