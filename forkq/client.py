@@ -457,6 +457,9 @@ class Client:
             joining.stamp(jobs, self)
         if self.middleware and middleware:
             jobs = [j for j in (self._through_middleware(j) for j in jobs) if j is not None]
+            for j in jobs:  # a middleware may set tags too (options were checked before it)
+                if "tags" in j:
+                    payload.check_tags(j["tags"])
         if not jobs:
             return []
         # middleware may put anything in a payload: only jobs built here from checked args

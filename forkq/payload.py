@@ -223,6 +223,8 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
         # would reach the payload unchecked
         raise TypeError("kwargs is not a job option: give keyword arguments to the push "
                         "(job.enqueue(x=1), Client.push(name, args, kwargs={...}))")
+    if "tags" in options:
+        check_tags(options["tags"])
     if "expires_in" in options:
         check_expires_in(options["expires_in"])
     if "keep_result" in options and check_keep_result(options["keep_result"]) is None:
@@ -241,6 +243,17 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
             raise TypeError(f"job {where} is {bad!r} ({type(bad).__name__}); a payload carries only "
                             "JSON-native values: None, bool, int, float (finite), str, list, dict with str keys")
     return options
+
+
+def check_tags(value: Any) -> Any:
+    """Return a `tags` option if it is a list (or None), else raise TypeError. Sidekiq's
+    client refuses anything else, and a Ruby Sidekiq server's poller, meeting such a job in
+    `schedule` or `retry`, takes it out and then fails to push it: the job is gone. Its Web
+    UI's queue, retry and dead pages fail on it too."""
+    if value is None or type(value) is list:
+        return value
+    raise TypeError(f"job option 'tags' must be a list (of names), not {type(value).__name__} "
+                    f"({value!r}); Sidekiq refuses, or loses, a job with any other tags")
 
 
 def check_expires_in(value: Any) -> float | None:

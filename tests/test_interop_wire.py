@@ -104,6 +104,38 @@ def test_a_push_to_an_empty_queue_name_is_refused_as_sidekiqs_client_refuses_it(
     assert r.keys("*") == []
 
 
+@pytest.mark.timeout(60)
+def test_tags_that_are_no_list_are_refused_as_sidekiqs_client_refuses_them(sidekiq_ruby, redis_url, r,
+                                                                         tmp_path):
+    refused = _ruby(sidekiq_ruby, redis_url, 'begin; Sidekiq::Client.push("class" => "X", '
+                    '"args" => [], "tags" => "billing"); rescue ArgumentError => e; puts e.message; end')
+    assert "tags must be an Array" in refused
+    # What refusing saves: a Ruby server's poller takes such a job out of `schedule` (or
+    # `retry`), then its push raises, and the job is gone (Sidekiq 6.4.1)
+    r.zadd("schedule", {json.dumps({"class": "InteropJob", "args": [1], "jid": "b" * 24,
+                                    "queue": "default", "retry": True, "tags": "billing"}): 1})
+    with sidekiq_ruby.server(redis_url, queues=["none"], log_path=tmp_path / "sidekiq.log") as server:
+        wait_until(lambda: r.zcard("schedule") == 0, timeout=30, message="Sidekiq polled it")
+        wait_until(lambda: "tags must be an Array" in server.log_tail(), timeout=10,
+                   message="Sidekiq's poller failed to push it")
+    assert r.llen("queue:default") == 0 and r.zcard("schedule") == 0
+    r.flushall()
+
+    client = forkq.Client(redis_url)
+    for at in (None, time.time() + 60):
+        with pytest.raises(TypeError, match="'tags' must be a list"):
+            client.push("X", [1], tags="billing", at=at)
+        with pytest.raises(TypeError, match="'tags' must be a list"):
+            client.push_bulk("X", [[1], [2]], tags=("a", "b"), at=at)
+    with pytest.raises(TypeError, match="'tags' must be a list"):
+        forkq.job(name="Tagged", tags="billing")(lambda: None)
+    tagging = forkq.Client(redis_url, middleware=[lambda job: {**job, "tags": "billing"}])
+    with pytest.raises(TypeError, match="'tags' must be a list"):
+        tagging.push("X", [1])
+    assert r.keys("*") == []
+    assert client.push("X", [1], tags=["billing"]) and client.push("X", [2], tags=None)
+
+
 def _raise(exc: BaseException) -> BaseException:
     try:
         raise exc
