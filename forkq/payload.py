@@ -79,29 +79,45 @@ def dumps_new(job: dict[str, Any]) -> bytes | str:
         return _encode(job)
 
 
-def _native(value: Any) -> bool:
+# Ruby's JSON, which Sidekiq reads payloads with, parses at most 100 levels of arrays and
+# objects. A Ruby Sidekiq server's poller takes a job out of `schedule` or `retry` before it
+# parses it, so a payload nested deeper is lost when one polls it. An argument sits inside
+# the payload object and its args list (or kwargs object), an option inside the payload.
+ARG_ROOM = 98
+OPTION_ROOM = 99
+_UNLIMITED = 1 << 62  # for values that never ride in a payload (a job's result)
+
+
+def _native(value: Any, room: int = _UNLIMITED) -> bool:
+    """Whether value is JSON-native and nests at most `room` levels of lists and dicts."""
     kind = type(value)
     if kind in _SCALARS:
         return kind is not float or math.isfinite(value)
     if kind is list:
-        return all(_native(v) for v in value)
+        room -= 1
+        return room >= 0 and all(_native(v, room) for v in value)
     if kind is dict:
-        return all(type(k) is str and _native(v) for k, v in value.items())
+        room -= 1
+        return room >= 0 and all(type(k) is str and _native(v, room) for k, v in value.items())
     return False
 
 
-def _first_bad(value: Any, path: str) -> tuple[str, Any]:
+def _first_bad(value: Any, path: str, room: int = _UNLIMITED) -> tuple[str, Any]:
+    """(where, what) of the first value _native refuses; what is a list or dict when it
+    is one nested past `room`."""
     kind = type(value)
+    if (kind is list or kind is dict) and room <= 0:
+        return path, value
     if kind is list:
         for i, v in enumerate(value):
-            if not _native(v):
-                return _first_bad(v, f"{path}[{i}]")
+            if not _native(v, room - 1):
+                return _first_bad(v, f"{path}[{i}]", room - 1)
     elif kind is dict:
         for k, v in value.items():
             if type(k) is not str:
                 return f"{path} key {k!r}", k
-            if not _native(v):
-                return _first_bad(v, f"{path}[{k!r}]")
+            if not _native(v, room - 1):
+                return _first_bad(v, f"{path}[{k!r}]", room - 1)
     return path, value
 
 
@@ -125,7 +141,7 @@ def check_args(args: Any) -> list:
     i = 0
     try:
         for i, v in enumerate(args):
-            if not _native(v):
+            if not _native(v, ARG_ROOM):
                 _refuse(v, f"args[{i}]")
     except RecursionError:
         _too_deep(f"args[{i}]")
@@ -133,14 +149,17 @@ def check_args(args: Any) -> list:
 
 
 def _too_deep(path: str) -> NoReturn:
-    # a value that holds itself (a list appended to itself), or is nested hundreds deep:
-    # JSON cannot carry the first, and the push's encoder would fail on the second
-    raise TypeError(f"job argument {path} is nested too deeply, or holds itself; forkq accepts "
-                    "only JSON-native values")
+    # a value that holds itself (a list appended to itself), or is nested past what Ruby
+    # Sidekiq parses (ARG_ROOM): JSON cannot carry the first, Sidekiq loses the second
+    raise TypeError(f"job argument {path} is nested too deeply, or holds itself; a payload nests "
+                    f"at most 100 levels of lists and dicts (Sidekiq's JSON parses no more), "
+                    f"{ARG_ROOM} within an argument")
 
 
 def _refuse(value: Any, path: str) -> None:
-    where, bad = _first_bad(value, path)
+    where, bad = _first_bad(value, path, ARG_ROOM)
+    if type(bad) in (list, dict):
+        _too_deep(path)
     raise TypeError(f"job argument {where} is {bad!r} ({type(bad).__name__}); forkq accepts only "
                     "JSON-native values: None, bool, int, float (finite), str, list, dict with str keys")
 
@@ -158,7 +177,7 @@ def check_kwargs(kwargs: Any) -> dict[str, Any]:
             if type(name) is not str:
                 raise TypeError(f"job keyword argument name {name!r} is not a str "
                                 f"({type(name).__name__}); keyword argument names are str")
-            if not _native(v):
+            if not _native(v, ARG_ROOM):
                 _refuse(v, f"kwargs[{name!r}]")
     except RecursionError:
         _too_deep(f"kwargs[{name!r}]")
@@ -238,8 +257,12 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"overlimit_retries must be an int of 0 or more (times a job that "
                              f"raised forkq.OverLimit is scheduled again), not {retries!r}")
     for name, value in options.items():
-        if not _native(value):
-            where, bad = _first_bad(value, f"option {name!r}")
+        if not _native(value, OPTION_ROOM):
+            where, bad = _first_bad(value, f"option {name!r}", OPTION_ROOM)
+            if type(bad) in (list, dict):
+                raise TypeError(f"job option {name!r} is nested too deeply; a payload nests at "
+                                "most 100 levels of lists and dicts (Sidekiq's JSON parses no "
+                                f"more), {OPTION_ROOM} within an option")
             raise TypeError(f"job {where} is {bad!r} ({type(bad).__name__}); a payload carries only "
                             "JSON-native values: None, bool, int, float (finite), str, list, dict with str keys")
     return options

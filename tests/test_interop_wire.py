@@ -136,6 +136,36 @@ def test_tags_that_are_no_list_are_refused_as_sidekiqs_client_refuses_them(sidek
     assert client.push("X", [1], tags=["billing"]) and client.push("X", [2], tags=None)
 
 
+def _nested(levels: int) -> list:
+    value: list = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.timeout(60)
+def test_arguments_nested_past_what_sidekiqs_json_parses_are_refused(sidekiq_ruby, redis_url, r):
+    # Ruby's JSON.parse (Sidekiq.load_json) stops at 100 levels; Sidekiq's poller takes a job
+    # out of `schedule` or `retry` before parsing it, so a deeper one was lost there
+    client = forkq.Client(redis_url)
+    at = time.time() + 3600
+    deepest = [client.push("X", [_nested(98)], at=at), client.push("X", kwargs={"k": _nested(98)}, at=at),
+               client.push("X", [1], at=at, extra=_nested(99))]
+    parsed = _ruby(sidekiq_ruby, redis_url, """
+        Sidekiq.redis { |c| c.zrange("schedule", 0, -1) }.each do |raw|
+          begin; puts Sidekiq.load_json(raw)["jid"]; rescue JSON::NestingError => e; puts e.message; end
+        end""")
+    assert sorted(parsed.split()) == sorted(deepest)  # as deep as Ruby Sidekiq reads
+
+    for push in (lambda: client.push("X", [1, _nested(99)], at=at),
+                 lambda: client.push("X", kwargs={"k": _nested(99)}),
+                 lambda: client.push_bulk("X", [[1], [_nested(99)]]),
+                 lambda: client.push("X", [1], extra=_nested(100))):
+        with pytest.raises(TypeError, match="nested too deeply.*at most 100 levels"):
+            push()
+    assert r.zcard("schedule") == 3 and r.llen("queue:default") == 0
+
+
 def _raise(exc: BaseException) -> BaseException:
     try:
         raise exc
