@@ -280,8 +280,9 @@ def _stats(conn, args):
     data = asdict(s)
     data["history"] = [{"day": d, "processed": p, "failed": f} for d, p, f in s.history]
     table = _table(["processed", "failed", "enqueued", "suspects", "scheduled", "retries", "dead",
-                    "processes"], [[s.processed, s.failed, s.enqueued, s.suspects, s.scheduled,
-                                    s.retries, s.dead, s.processes]])
+                    "processes", "busy", "default latency"],
+                   [[s.processed, s.failed, s.enqueued, s.suspects, s.scheduled, s.retries, s.dead,
+                     s.processes, s.busy, _age(s.default_latency)]])
     table += [""] + _table(["day (UTC)", "processed", "failed"], [list(h) for h in s.history])
     return data, table
 

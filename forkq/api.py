@@ -811,6 +811,11 @@ class Stats:
     history: list[tuple[str, int, int]]
     # crash suspects of the queues in the `queues` set (not part of `enqueued`)
     suspects: int = 0
+    # jobs running now, the `busy` of every heartbeat, forkq's and Ruby Sidekiq's (what
+    # Sidekiq::Stats calls workers_size), and the age of queue `default`'s next job
+    # (default_queue_latency), so the two sides' figures can be set side by side
+    busy: int = 0
+    default_latency: float = 0.0
 
 
 def _days(count: int, today: datetime | None = None) -> list[str]:
@@ -820,11 +825,19 @@ def _days(count: int, today: datetime | None = None) -> list[str]:
 
 def stats(conn: redis.Redis, days: int = 7) -> Stats:
     """Sidekiq's totals, forkq's crash suspects and the per-day counters of the last `days`
-    UTC days, in two round trips (queue lengths need the queue names first)."""
-    names = [_text(n) for n in conn.smembers(keys.QUEUES)]
+    UTC days, in two round trips (queue lengths and busy counts need the names first)."""
+    first = conn.pipeline(transaction=False)
+    first.smembers(keys.QUEUES)
+    first.smembers(keys.PROCESSES)
+    listed, members = first.execute()
+    names = [_text(n) for n in listed]
+    members = list(members)
     day_names = _days(max(days, 0))
     pipe = conn.pipeline(transaction=False)
     pipe.mget(keys.STAT_PROCESSED, keys.STAT_FAILED)
+    pipe.lindex(keys.queue("default"), -1)
+    for member in members:
+        pipe.hget(member, "busy")
     for key in (keys.SCHEDULE, keys.RETRY, keys.DEAD):
         pipe.zcard(key)
     pipe.scard(keys.PROCESSES)
@@ -835,7 +848,17 @@ def stats(conn: redis.Redis, days: int = 7) -> Stats:
     if day_names:
         pipe.mget([keys.stat_day("processed", d) for d in day_names])
         pipe.mget([keys.stat_day("failed", d) for d in day_names])
-    replies = pipe.execute()
+    replies = pipe.execute(raise_on_error=False)
+    # a `processes` member or queue:default that is of another type (written by something
+    # else) is not busy or has no latency; any other error is Redis's answer, raised as
+    # execute() would
+    oldest = replies[1] if not isinstance(replies[1], Exception) else None
+    busy = sum(control._number(b, int) for b in replies[2:2 + len(members)]
+               if not isinstance(b, Exception))
+    replies = replies[:1] + replies[2 + len(members):]
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
     (processed, failed), scheduled, retry, dead_, procs = replies[:5]
     lengths = replies[5:5 + len(names)]
     suspects = replies[5 + len(names):5 + 2 * len(names)]
@@ -845,7 +868,7 @@ def stats(conn: redis.Redis, days: int = 7) -> Stats:
         history = [(d, int(p or 0), int(f or 0)) for d, p, f in zip(day_names, done, fails)]
     return Stats(int(processed or 0), int(failed or 0), sum(int(n) for n in lengths),
                  int(scheduled), int(retry), int(dead_), int(procs), history,
-                 sum(int(n) for n in suspects))
+                 sum(int(n) for n in suspects), busy, _latency(oldest, time.time()))
 
 
 # -- per-class job metrics --------------------------------------------------------------

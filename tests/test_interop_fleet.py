@@ -18,7 +18,8 @@ import time
 import pytest
 
 import forkq
-from corekit import CORE_JOBS, REPO_ROOT, CoreWorker, hand_driven, records, run_one, wait_records, workers  # noqa: F401
+from corekit import CORE_JOBS, REPO_ROOT, CoreWorker, hand_driven, records, run_one, wait_records
+from corekit import workers  # noqa: F401  (the fixture)
 from forkq import api
 from forkq.retry import Outcomes
 from forkq.scheduler import Scheduler
@@ -34,8 +35,8 @@ SLEEPY = "tests.apps.core_jobs.sleepy"
 def run(*args: str, cwd) -> subprocess.CompletedProcess:
     """`python -m forkq ARGS` of this checkout, in `cwd` (no pyproject.toml there to point it
     elsewhere)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH"))
-                                                      if p))
+    paths = (str(REPO_ROOT), os.environ.get("PYTHONPATH"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     return subprocess.run([sys.executable, "-m", "forkq", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=30, stdin=subprocess.DEVNULL)
 
@@ -172,7 +173,7 @@ def test_ruby_sees_forkqs_children_their_jobs_and_counts_and_quiets_and_stops_th
         assert (stats["scheduled_size"], stats["retry_size"], stats["dead_size"]) == \
             (ours["scheduled"], ours["retries"], ours["dead"]) == (1, 0, 1)
         assert stats["processes_size"] == ours["processes"] == 2
-        assert stats["workers_size"] == len(ok_json("busy")) == 2
+        assert stats["workers_size"] == ours["busy"] == len(ok_json("busy")) == 2
 
         # Sidekiq's Quiet on one child: forkq quiets its master's children (README)
         one = sorted(identities)[0]
@@ -187,6 +188,31 @@ def test_ruby_sees_forkqs_children_their_jobs_and_counts_and_quiets_and_stops_th
     assert ruby["processes"] == [] and ruby["workers"] == []
     assert ruby["stats"]["enqueued"] == 4  # the two running were put back
     assert ruby["queues"]["default"]["size"] == 4
+
+
+@pytest.mark.timeout(30)
+def test_forkq_stats_gives_sidekiqs_workers_size_and_default_queue_latency(sidekiq_ruby, redis_url, r):
+    # heartbeats of two processes of any kind, and a job that has waited on `default` for
+    # a minute
+    for identity, busy in (("a:1:aaaaaaaaaaaa", 2), ("b:2:bbbbbbbbbbbb", 3)):
+        r.sadd("processes", identity)
+        r.hset(identity, mapping={"info": json.dumps({"hostname": "a", "pid": 1}), "busy": busy,
+                                  "beat": time.time(), "quiet": "false"})
+    r.sadd("queues", "default")
+    r.lpush("queue:default", json.dumps({"class": "X", "args": [], "jid": "c" * 24, "queue": "default",
+                                         "enqueued_at": time.time() - 60}))
+    t0 = time.monotonic()
+    ruby = inspect(sidekiq_ruby, redis_url)["stats"]
+    ours = ok_json("stats")
+    assert ruby["workers_size"] == ours["busy"] == 5
+    assert 0 <= ours["default_latency"] - ruby["default_queue_latency"] <= time.monotonic() - t0
+    assert ruby["default_queue_latency"] >= 60
+    # a member that is no hash (Sidekiq's Stats raises WRONGTYPE) counts as not busy
+    r.sadd("processes", "not-a-hash")
+    r.set("not-a-hash", "x")
+    out = run("stats", cwd=".")
+    assert out.returncode == 0 and "busy  default latency" in out.stdout, out.stderr
+    assert ok_json("stats")["busy"] == 5
 
 
 # -- the schedule, and clearing from Ruby --------------------------------------------------
