@@ -91,7 +91,8 @@ def main() -> int:
     if len(ratios) >= 4:
         q1, _, q3 = statistics.quantiles(ratios, n=4)
         spread = f" (median of {len(ratios)} rounds; quartiles {q1:.2f}x-{q3:.2f}x)"
-    t.add("--processes 2 over --processes 1", f"{ratio:.2f}x{spread}", ">= 1.5x", ratio >= 1.5)
+    # three decimals: a median just under the target read "1.50x" beside its "NO"
+    t.add("--processes 2 over --processes 1", f"{ratio:.3f}x{spread}", ">= 1.5x", ratio >= 1.5)
     # the ratio is (cores busy with 2 / with 1) x (machine CPU per job with 1 / with 2):
     # these rows show which of the two holds it back
     t.add("cores busy (whole machine): 1 process / 2 processes",
