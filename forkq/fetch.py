@@ -313,6 +313,10 @@ class ReliableFetch:
         # the oldest job rightmost, first in line again
         while conn.lmove(landing, dest, "LEFT", "RIGHT") is not None:
             n += 1
+        if n:
+            # as the requeue scripts' keep_listed: Sidekiq's Clear may have taken the queue
+            # out of `queues` meanwhile, and a job back on an unlisted queue waits unseen
+            conn.sadd(keys.QUEUES, queue)
         return n
 
     def give_back_all_landed(self) -> int:

@@ -754,6 +754,25 @@ def test_a_landing_list_is_drained_across_claims_and_then_left_alone(own_redis):
 
 
 @pytest.mark.timeout(30)
+def test_a_job_given_back_from_the_landing_list_puts_its_queue_back_in_queues(redis_url, r):
+    """Sidekiq's Clear (Queue#clear) SREMs the queue from `queues`; a job a blocking wait
+    had caught, given back at quiet or pause, waited on a queue nothing listed, unseen by
+    Sidekiq's Web UI and Stats and by `forkq stats`, as the requeue scripts' once did."""
+    fetch = ReliableFetch(redis.Redis.from_url(redis_url), "test:1:00000000000l",
+                          QueueOrder([("cleared", 0)]))
+    try:
+        forkq.Client(redis_url).push("Any", [1], queue="cleared")
+        assert fetch.wait_for("cleared", fetch.redis)
+        r.delete("queue:cleared")
+        r.srem("queues", "cleared")  # what Queue#clear does
+        assert fetch.give_back_landed("cleared") == 1
+        assert r.llen("queue:cleared") == 1 and r.smembers("queues") == {b"cleared"}
+        assert fetch.give_back_landed("cleared") == 0
+    finally:
+        fetch.close()
+
+
+@pytest.mark.timeout(30)
 def test_the_claim_connection_outlives_a_server_side_close_and_a_script_flush(own_redis):
     """The claim runs on a connection of the fetcher's own: one the server dropped while
     idle is replaced before sending, and a Redis that forgot the script gets its body."""
