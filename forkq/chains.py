@@ -153,7 +153,11 @@ class Chain:
         if len(jobs) > 1:
             later = jobs[1:]
             raws = [payload.dumps(j) for j in later]
-            if sum(map(len, raws)) <= INLINE_BYTES:
+            # carried in the first payload, the later steps nest two levels deeper than
+            # pushed alone (its forkq_chain list, each step's object): past what Ruby
+            # Sidekiq's JSON parses, its poller would lose the first step once scheduled or
+            # retried. Stored in a list, each step is a payload of its own.
+            if sum(map(len, raws)) <= INLINE_BYTES and payload._native(later, payload.OPTION_ROOM):
                 first[FIELD] = later
             else:
                 key = keys.chain(first["jid"])
@@ -287,6 +291,11 @@ def next_payload(rest: Any, value: Any, now: float, read: Read | None = None) ->
             raise Broken(f"the step before returned {results._short(value)} "
                          f"({type(value).__name__}), which is not JSON-native: it cannot be "
                          f"passed to {nxt['class']} (pass_result)")
+        if not payload._native(value, payload.ARG_ROOM):
+            # as an argument pushed deeper: Ruby Sidekiq's poller would lose the step
+            raise Broken(f"the step before returned {results._short(value)}, nested past the "
+                         f"{payload.ARG_ROOM} levels an argument may take (Sidekiq's JSON parses "
+                         f"100 in all): it cannot be passed to {nxt['class']} (pass_result)")
         nxt["args"] = nxt["args"] + [value]
     if "expires_in" in nxt:  # counted from this push, as the client counts it from its own
         try:

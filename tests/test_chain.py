@@ -72,6 +72,23 @@ def when() -> object:
     return time  # a module: no JSON value
 
 
+@forkq.job(queue="cq", name="chain_test.deep")
+def deep(levels: int) -> list:
+    value: list = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+def depth(value) -> int:
+    """Levels of lists and dicts, as Ruby's JSON counts them (it parses at most 100)."""
+    if isinstance(value, list):
+        return 1 + max(map(depth, value), default=0)
+    if isinstance(value, dict):
+        return 1 + max(map(depth, value.values()), default=0)
+    return 0
+
+
 @forkq.job(queue="cq", unique_for=60, name="chain_test.unique")
 def unique_job(n: int) -> None:
     pass
@@ -378,6 +395,37 @@ def test_pass_result_appends_the_value_and_an_unstorable_one_goes_to_dead(client
     (entry,) = dead(r)
     assert "not JSON-native" in entry["error_message"] and "module" in entry["error_message"]
     assert jids
+
+
+def test_steps_too_deep_to_ride_in_the_first_payload_are_stored_and_run(client, r, worker):
+    """A later step's argument may nest 98 levels, as its own push's; carried in the first
+    payload it nested 102, which Ruby Sidekiq's poller (JSON.parse: 100) loses once the
+    first step is scheduled or retried. Such a chain is stored in its list instead."""
+    jids = forkq.chain(step.call("a"), step.call("b", deep(98))).enqueue_in(60)
+    (raw,) = r.zrange("schedule", 0, -1)
+    assert depth(json.loads(raw)) <= 100 and r.llen(keys.chain(jids[0])) == 1
+    retry_now(r, "schedule")  # as the poller does once it is due
+    run_one(worker)
+    (nxt,) = queued(r, "cq")
+    assert nxt["jid"] == jids[1] and depth(nxt) == 100
+    run_one(worker)
+    assert calls == [["a"], ["b", deep(98)]] and r.keys("forkq:chain:*") == []
+    short = forkq.chain(step.call("c"), step.call("d", deep(96))).enqueue()  # 100: still inline
+    (first,) = queued(r, "cq")
+    assert depth(first) == 100 and first["forkq_chain"][0]["jid"] == short[1]
+
+
+def test_pass_result_refuses_a_value_nested_past_an_arguments_room(client, r, worker):
+    forkq.chain(deep.call(98), step.call(), pass_result=True).enqueue()
+    run_one(worker)
+    (nxt,) = queued(r, "cq")
+    assert depth(nxt) == 100  # the value as deep as a pushed argument may be: passed on
+    r.delete("queue:cq")
+    forkq.chain(deep.call(99), step.call(), pass_result=True).enqueue()
+    run_one(worker)
+    assert inflight(r, worker) == 0 and queued(r, "cq") == []
+    (entry,) = dead(r)
+    assert "nested past the 98 levels" in entry["error_message"]
 
 
 def test_a_later_step_s_expires_in_counts_from_its_own_push(client, r, worker):
