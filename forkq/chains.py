@@ -147,6 +147,8 @@ class Chain:
                     raise ValueError(f"a client middleware made step {i} of the chain unique "
                                      "(unique_for): a chain cannot hold unique jobs; nothing was pushed")
                 payload.check_queue(job.get("queue"))
+                if "tags" in job:  # as push_jobs checks what its middleware set
+                    payload.check_tags(job["tags"])
             jobs.append(job)
         jids = [j["jid"] for j in jobs]
         first = jobs[0]

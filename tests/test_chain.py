@@ -308,6 +308,13 @@ def test_client_middleware_sees_each_step_and_may_not_skip_one(redis_url, r):
         forkq.chain(step.options(client=c).call("a"), step.options(client=c).call("skip")).enqueue()
     assert forkq.chain(step.options(client=c).call("skip"), step.options(client=c).call("b")).enqueue() == []
     assert r.keys("queue:*") == []
+    # tags a middleware sets on a later step are refused as its own push refuses them: a
+    # Ruby Sidekiq server's poller loses a job whose tags are no list
+    c = forkq.Client(redis_url,
+                     middleware=[lambda job: {**job, "tags": "x" if job["args"] == ["b"] else ["y"]}])
+    with pytest.raises(TypeError, match="'tags' must be a list"):
+        forkq.chain(step.options(client=c).call("a"), step.options(client=c).call("b")).enqueue()
+    assert r.keys("queue:*") == [] and r.keys("forkq:chain:*") == []
 
 
 @pytest.mark.parametrize("bad, why", [
