@@ -291,7 +291,7 @@ def next_payload(rest: Any, value: Any, now: float, read: Read | None = None) ->
             native = False
         if not native:
             raise Broken(f"the step before returned {results._short(value)} "
-                         f"({type(value).__name__}), which is not JSON-native: it cannot be "
+                         f"({type(value).__name__}), {_not_native(value)}: it cannot be "
                          f"passed to {nxt['class']} (pass_result)")
         if not payload._native(value, payload.ARG_ROOM):
             # as an argument pushed deeper: Ruby Sidekiq's poller would lose the step
@@ -319,6 +319,17 @@ def destination(nxt: dict[str, Any]) -> str:
         return payload.check_queue(nxt.get("queue"))
     except (TypeError, ValueError) as exc:
         raise Unroutable(f"its next step cannot be pushed: {exc}") from None
+
+
+def _not_native(value: Any) -> str:
+    """Why a returned value cannot be an argument (payload._native said it cannot)."""
+    try:
+        where, bad = payload._first_bad(value, "value")
+    except RecursionError:
+        return "which is not JSON-native"
+    if type(bad) is str:
+        return f"whose {where} holds a lone surrogate, which is no UTF-8 text"
+    return "which is not JSON-native"
 
 
 def encode(nxt: dict[str, Any]) -> bytes:

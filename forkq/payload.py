@@ -89,17 +89,30 @@ _UNLIMITED = 1 << 62  # for values that never ride in a payload (a job's result)
 
 
 def _native(value: Any, room: int = _UNLIMITED) -> bool:
-    """Whether value is JSON-native and nests at most `room` levels of lists and dicts."""
+    """Whether value is JSON-native, its strings UTF-8 text (_utf8), and it nests at most
+    `room` levels of lists and dicts."""
     kind = type(value)
     if kind in _SCALARS:
+        if kind is str:  # isascii first: it costs nothing, and nearly every str is ASCII
+            return value.isascii() or sendable(value)
         return kind is not float or math.isfinite(value)
     if kind is list:
         room -= 1
         return room >= 0 and all(_native(v, room) for v in value)
     if kind is dict:
         room -= 1
-        return room >= 0 and all(type(k) is str and _native(v, room) for k, v in value.items())
+        return room >= 0 and all(type(k) is str and (k.isascii() or sendable(k)) and _native(v, room)
+                                 for k, v in value.items())
     return False
+
+
+def _utf8(text: str) -> bool:
+    """Whether a str is text a payload may carry. A lone surrogate (what os.fsdecode makes
+    of a file name that is not UTF-8) is not: json writes it as a "\\udc80" escape that
+    Ruby's JSON parses into a string it then cannot write, so a Ruby Sidekiq poller that
+    takes the job out of `schedule` or `retry` loses it; forkq's own push failed deep in
+    redis-py with UnicodeEncodeError, after any earlier batch of an enqueue_many went in."""
+    return text.isascii() or sendable(text)
 
 
 def _first_bad(value: Any, path: str, room: int = _UNLIMITED) -> tuple[str, Any]:
@@ -114,11 +127,21 @@ def _first_bad(value: Any, path: str, room: int = _UNLIMITED) -> tuple[str, Any]
                 return _first_bad(v, f"{path}[{i}]", room - 1)
     elif kind is dict:
         for k, v in value.items():
-            if type(k) is not str:
+            if type(k) is not str or not _utf8(k):
                 return f"{path} key {k!r}", k
             if not _native(v, room - 1):
                 return _first_bad(v, f"{path}[{k!r}]", room - 1)
     return path, value
+
+
+def _refusal(where: str, bad: Any) -> str:
+    """Why a value found by _first_bad cannot go into a payload."""
+    if type(bad) is str:
+        return (f"{where} is {bad!r}, a str holding a lone surrogate, which is no UTF-8 text (a "
+                "file name os.fsdecode could not decode, say): a payload carries text only; pass "
+                "such a name as os.fsencode(name).hex() or with errors='backslashreplace'")
+    return (f"{where} is {bad!r} ({type(bad).__name__}); forkq accepts only JSON-native values: "
+            "None, bool, int, float (finite), str, list, dict with str keys")
 
 
 def bulk_item(args: Any) -> Any:
@@ -160,8 +183,7 @@ def _refuse(value: Any, path: str) -> None:
     where, bad = _first_bad(value, path, ARG_ROOM)
     if type(bad) in (list, dict):
         _too_deep(path)
-    raise TypeError(f"job argument {where} is {bad!r} ({type(bad).__name__}); forkq accepts only "
-                    "JSON-native values: None, bool, int, float (finite), str, list, dict with str keys")
+    raise TypeError(f"job argument {_refusal(where, bad)}")
 
 
 def check_kwargs(kwargs: Any) -> dict[str, Any]:
@@ -177,6 +199,8 @@ def check_kwargs(kwargs: Any) -> dict[str, Any]:
             if type(name) is not str:
                 raise TypeError(f"job keyword argument name {name!r} is not a str "
                                 f"({type(name).__name__}); keyword argument names are str")
+            if not _utf8(name):
+                raise TypeError(f"job keyword argument name {_refusal('', name)[1:]}")
             if not _native(v, ARG_ROOM):
                 _refuse(v, f"kwargs[{name!r}]")
     except RecursionError:
@@ -263,8 +287,7 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
                 raise TypeError(f"job option {name!r} is nested too deeply; a payload nests at "
                                 "most 100 levels of lists and dicts (Sidekiq's JSON parses no "
                                 f"more), {OPTION_ROOM} within an option")
-            raise TypeError(f"job {where} is {bad!r} ({type(bad).__name__}); a payload carries only "
-                            "JSON-native values: None, bool, int, float (finite), str, list, dict with str keys")
+            raise TypeError(f"job {_refusal(where, bad)}")
     return options
 
 

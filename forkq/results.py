@@ -74,6 +74,13 @@ def success(value: Any, jid: str) -> bytes | str:
         if payload._native(value):
             return _dump({"value": value})
         where, bad = payload._first_bad(value, "the return value")
+        if type(bad) is str:
+            # a lone surrogate (a file name os.fsdecode made), which no payload may carry: a
+            # result is read by forkq.result alone, which reads its ASCII escape back as it was
+            try:
+                return _ascii({"value": value})
+            except (TypeError, ValueError):
+                pass  # something else in it JSON cannot carry either
         what = f"{where} is {_short(bad)} ({type(bad).__name__})"
     except RecursionError:
         what = "the return value is nested too deeply (or contains itself)"

@@ -223,6 +223,31 @@ def test_a_bad_argument_in_a_later_batch_pushes_nothing(forkq_client, r):
         forkq.default_client().push("X", [object()])
 
 
+@pytest.mark.parametrize("bad, where", [
+    (["a\udcff"], r"args\[0\]"),
+    ([{"name\udcff": 1}], r"args\[0\] key 'name\\udcff'"),
+    ([[1, {"k": "x\udcff"}]], r"args\[0\]\[1\]\['k'\]"),
+])
+def test_a_lone_surrogate_in_a_later_batch_is_refused_by_name_and_pushes_nothing(forkq_client, r, bad,
+                                                                                where):
+    """A str holding a lone surrogate (os.fsdecode's file name that is not UTF-8) is no
+    text a payload can carry. It failed in redis-py's encoding, batch by batch: the first
+    two of an enqueue_many went in, then a UnicodeEncodeError named no item."""
+    items = [[i] for i in range(2500)]
+    items[2100] = bad
+    with pytest.raises(TypeError, match=rf"^item 2100 of the list: job argument {where} is .*lone surrogate"):
+        core_jobs.record.enqueue_many(items, batch_size=1000)
+    assert r.dbsize() == 0
+    with pytest.raises(TypeError, match=r"lone surrogate"):
+        core_jobs.record.enqueue(surrogate="a\udcff")
+    with pytest.raises(TypeError, match=r"^job keyword argument name .*lone surrogate"):
+        forkq.default_client().push("X", [], kwargs={"a\udcff": 1})
+    with pytest.raises(TypeError, match=r"^job option 'tags'\[0\] is .*lone surrogate"):
+        core_jobs.record.options(tags=["a\udcff"]).enqueue(1)
+    assert r.dbsize() == 0
+    assert core_jobs.record.enqueue("é ok", {"ü": "ñ"})  # text beyond ASCII is fine
+
+
 @forkq.job(name="client_test.two_or_three")
 def two_or_three(a, b, c=None, *, verbose=False):
     pass

@@ -308,3 +308,13 @@ def test_a_real_worker_keeps_results(workers, forkq_client, r):
     assert forkq.result(ok, timeout=10) == 5
     with pytest.raises(forkq.JobFailed, match="dropped: ValueError: no retry e2e"):
         forkq.result(failed, timeout=10)
+
+
+def test_a_returned_lone_surrogate_is_kept_and_read_back_as_it_was():
+    """Arguments may hold no lone surrogate (a payload carries UTF-8 text only), but a
+    result is read by forkq.result alone: a returned file name os.fsdecode made is kept,
+    ASCII-escaped, and reads back as it was."""
+    from forkq import results
+    element = results.success(["name\udcff", {"k": 1}], "j1")
+    assert json.loads(element) == {"value": ["name\udcff", {"k": 1}]}
+    assert "unstorable" in json.loads(results.success(["name\udcff", object()], "j2"))
