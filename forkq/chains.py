@@ -327,8 +327,12 @@ def _not_native(value: Any) -> str:
         where, bad = payload._first_bad(value, "value")
     except RecursionError:
         return "which is not JSON-native"
-    if type(bad) is str:
-        return f"whose {where} holds a lone surrogate, which is no UTF-8 text"
+    if type(bad) is str:  # a lone surrogate (a file name os.fsdecode made)
+        try:
+            bad.encode()
+        except UnicodeEncodeError as exc:
+            return (f"whose {where} holds text UTF-8 cannot carry ({exc.reason}: "
+                    f"{exc.object[exc.start:exc.end]!r})")
     return "which is not JSON-native"
 
 

@@ -72,11 +72,6 @@ def when() -> object:
     return time  # a module: no JSON value
 
 
-@forkq.job(queue="cq", name="chain_test.file_name")
-def file_name() -> list:
-    return ["ok", "report-\udcff.csv"]  # os.fsdecode of a name that is not UTF-8
-
-
 @forkq.job(queue="cq", name="chain_test.deep")
 def deep(levels: int) -> list:
     value: list = []
@@ -407,15 +402,6 @@ def test_pass_result_appends_the_value_and_an_unstorable_one_goes_to_dead(client
     (entry,) = dead(r)
     assert "not JSON-native" in entry["error_message"] and "module" in entry["error_message"]
     assert jids
-
-
-def test_pass_result_of_a_lone_surrogate_goes_to_dead_saying_so(client, r, worker):
-    """Such a value is no UTF-8 text, so it cannot be an argument; the reason says where."""
-    forkq.chain(file_name.call(), step.call("t"), pass_result=True).enqueue()
-    run_one(worker)
-    assert inflight(r, worker) == 0 and queued(r, "cq") == [] and calls == []
-    (entry,) = dead(r)
-    assert "whose value[1] holds a lone surrogate, which is no UTF-8 text" in entry["error_message"]
 
 
 def test_steps_too_deep_to_ride_in_the_first_payload_are_stored_and_run(client, r, worker):
