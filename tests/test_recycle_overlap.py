@@ -19,7 +19,7 @@ import pytest
 from forkq.settings import STOP_GRACE_S, Settings
 from forkq.supervisor import Supervisor
 from helpers import wait_until
-from test_supervisor import (APPS, _pid_gone, _pinging_children, _ping, _recycle_now, _title,  # noqa: F401
+from test_supervisor import (APPS, _close_master, _pid_gone, _pinging_children, _ping, _recycle_now, _title,  # noqa: F401
                              assert_clean, push, start_master, sup_events, wait_event)
 
 APP = APPS / "recycle_jobs.py"
@@ -125,19 +125,6 @@ def test_a_retired_child_killed_while_it_drains_gives_its_jobs_back_and_gets_no_
 # -- the master's bookkeeping, in-process (child records with real pipes, no processes) --------
 
 
-def _close(sup: Supervisor, made) -> None:
-    """The test's pipe ends, and the master's of the children it has not reaped (child_exited
-    closed the others: closed again, their numbers may be a Redis socket's by now)."""
-    os.close(sup._sig_r)
-    os.close(sup._sig_w)
-    for child, report_w, control_r in made:
-        os.close(report_w)
-        os.close(control_r)
-        if child.pid in sup.children:
-            os.close(child.report_r)
-            os.close(child.control_w)
-
-
 def _commands(control_r: int) -> bytes:
     os.set_blocking(control_r, False)
     try:
@@ -194,7 +181,7 @@ def test_a_retired_childs_slot_is_vacant_at_once_and_filled_once():
         sup.roll_restart()
         assert sup.recycle == [] and new.stopping_since is None
     finally:
-        _close(sup, made)
+        _close_master(sup, made)
 
 
 @pytest.mark.timeout(10)
@@ -239,7 +226,7 @@ def test_a_replacement_that_fails_to_start_backs_off_while_the_old_child_drains(
             failed_start(b"on_fork hook bind raised OSError: port in use")
         assert sup.state == "failed" and sup.exit_code == 1
     finally:
-        _close(sup, made)
+        _close_master(sup, made)
 
 
 @pytest.mark.timeout(10)
@@ -281,7 +268,7 @@ def test_a_recycle_is_counted_as_the_child_is_retired_not_at_its_exit(redis_url)
         sup.child_exited(old, 0)
         assert sup.stats.restarts == {"restart": 1}, "the replacement a stop ended counts none"
     finally:
-        _close(sup, made)
+        _close_master(sup, made)
 
 
 @pytest.mark.timeout(10)
@@ -305,7 +292,7 @@ def test_hups_rolling_restart_skips_a_child_just_killed_as_hung():
         assert other.stopping_since is None and sup.recycle == [0, 1], "nothing retired yet"
         assert not sup.all_up()
     finally:
-        _close(sup, made)
+        _close_master(sup, made)
 
 
 @pytest.mark.timeout(10)
@@ -348,4 +335,4 @@ def test_a_requeue_redis_put_off_has_the_slots_new_child_beat_once_it_is_done(re
         assert sup.pending_requeue == [] and sup.dead_slots == {}
     finally:
         held.redis.close()
-        _close(sup, made)
+        _close_master(sup, made)

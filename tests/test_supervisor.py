@@ -622,14 +622,7 @@ def test_a_child_killed_as_the_master_gives_up_is_not_counted_as_a_restart(redis
         sup.child_exited(booting, signal.SIGKILL)  # the give-up's kill_all
         assert sup.stats.restarts == {"crash": 2 * CRASH_LOOP_LIMIT}, "the give-up replaced nobody"
     finally:
-        os.close(sup._sig_r)
-        os.close(sup._sig_w)
-        for c, report_w, control_r in made:
-            os.close(report_w)
-            os.close(control_r)
-            if c.pid in sup.children:
-                os.close(c.report_r)
-                os.close(c.control_w)
+        _close_master(sup, made)
 
 
 # -- 10. slots -----------------------------------------------------------------------------------------
@@ -1122,10 +1115,17 @@ def _close_children(made) -> None:
 
 
 def _close_master(sup, made) -> None:
-    """An in-process Supervisor's self-pipe, and both ends of its made children's pipes."""
+    """An in-process Supervisor's self-pipe, and both ends of its made children's pipes:
+    the master's ends only of those it has not reaped (child_exited closed the others:
+    closed again, their numbers may be a Redis socket's by now)."""
     os.close(sup._sig_r)
     os.close(sup._sig_w)
-    _close_children(made)
+    for child, report_w, control_r in made:
+        os.close(report_w)
+        os.close(control_r)
+        if child.pid in sup.children:
+            os.close(child.report_r)
+            os.close(child.control_w)
 
 
 @pytest.mark.timeout(10)
